@@ -1,0 +1,118 @@
+"""Offline throughput: conveyor's LLM.generate against transformers' generate, same workload.
+
+A seeded workload on the demo model (or --model): prompt lengths uniform in
+[--min-prompt, --max-prompt], output lengths drawn from an exponential distribution (as in the
+guide) clipped to [1, --max-output]. conveyor runs it with continuous batching at
+max_num_seqs = --batch-size; transformers runs it in static padded batches of the same size
+(left padding, greedy, each batch generating until its longest request is done). Only the
+tokens each request asked for count, for both. Prints one JSON object.
+
+    python benchmarks/throughput.py --num-requests 64 --batch-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+import transformers
+
+from conveyor import LLM, SamplingParams
+from conveyor.demo import demo_model_path
+
+
+def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(args.seed)
+    prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, size=args.num_requests)
+    out_lens = np.clip(
+        np.ceil(rng.exponential(args.mean_output, size=args.num_requests)), 1, args.max_output
+    ).astype(int)
+    # Token ids from the middle of the vocabulary: plain text tokens, no specials.
+    prompts = [rng.integers(100, vocab_size - 100, size=int(n)).tolist() for n in prompt_lens]
+    return prompts, out_lens.tolist()
+
+
+def run_conveyor(model: str, prompts, out_lens, batch_size: int) -> dict:
+    llm = LLM(model, max_num_seqs=batch_size, max_num_batched_tokens=2048, seed=0)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    llm.generate(prompts[:batch_size], params[:batch_size], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(out_lens), "conveyor produced a different number of tokens"
+    return _result(len(prompts), tokens, seconds)
+
+
+def run_transformers(model: str, prompts, out_lens, batch_size: int) -> dict:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    pad = hf.generation_config.pad_token_id or hf.generation_config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+
+    def batch_generate(ps, ls):
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        n = max(ls)
+        # min_new_tokens = max_new_tokens: no request stops early at eos, as with ignore_eos.
+        return hf.generate(
+            ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=pad,
+        )
+
+    with torch.inference_mode():
+        batch_generate(prompts[:batch_size], out_lens[:batch_size])  # warm-up
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            batch_generate(prompts[i : i + batch_size], out_lens[i : i + batch_size])
+        seconds = time.perf_counter() - start
+    return _result(len(prompts), sum(out_lens), seconds)
+
+
+def _result(requests: int, tokens: int, seconds: float) -> dict:
+    return {
+        "requests": requests,
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(tokens / seconds, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="HF checkpoint folder (default: demo model)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=128)
+    p.add_argument("--mean-output", type=float, default=64.0)
+    p.add_argument("--max-output", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-transformers", action="store_true")
+    args = p.parse_args(argv)
+
+    model = args.model or str(demo_model_path())
+    vocab = transformers.AutoConfig.from_pretrained(model).vocab_size
+    prompts, out_lens = make_workload(args, vocab)
+    result = {
+        "model": model,
+        "batch_size": args.batch_size,
+        "torch_threads": torch.get_num_threads(),
+        "conveyor": run_conveyor(model, prompts, out_lens, args.batch_size),
+    }
+    if not args.skip_transformers:
+        result["transformers_static"] = run_transformers(model, prompts, out_lens, args.batch_size)
+        result["ratio_output_tokens_per_s"] = round(
+            result["conveyor"]["output_tokens_per_s"]
+            / result["transformers_static"]["output_tokens_per_s"],
+            2,
+        )
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""EngineConfig: every knob of the engine in one plain dataclass.
+
+Built from `LLM(...)` keyword arguments, CLI flags or configs/*.yaml, then passed down as one
+object; each part copies what it needs in `__init__`. Checks raise ValueError with a message a
+user can act on. `num_kv_blocks` and `max_model_len` may be left None: the engine resolves
+them from memory and the checkpoint before it builds the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    scheduler: str = "fifo"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_space_gb: float = 1.0
+    max_model_len: int | None = None
+    attention_backend: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _positive_int(name, getattr(self, name))
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if not self.kv_cache_space_gb > 0:
+            raise ValueError(f"kv_cache_space_gb must be > 0, got {self.kv_cache_space_gb}.")
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("device", self.device, DEVICES)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}.")

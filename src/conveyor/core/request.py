@@ -1,0 +1,145 @@
+"""One request's state as the scheduler sees it: counters, not phases.
+
+A request holds `num_tokens` known tokens (prompt + sampled outputs), of which the first
+`num_computed_tokens` already have their K/V in the cache:
+
+    all_token_ids:  [ p0 p1 p2 p3 p4 | o0 o1 ]        num_tokens = 7
+    KV cache:       [ p0 p1 p2 p3 p4 | o0 ]           num_computed_tokens = 6
+                                          ^ next step computes o1 and samples o2
+
+Prefill, chunked prefill, decode and recompute after preemption are all the same thing:
+the scheduler hands out `num_tokens - num_computed_tokens` (or fewer) tokens per step, and a
+token is sampled when a step brings `num_computed_tokens` up to `num_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from conveyor.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """A single sequence being generated (a request with n > 1 becomes n of these)."""
+
+    __slots__ = (
+        "arrival_time",
+        "eos_token_id",
+        "max_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_token_ids",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Args:
+        max_tokens: the output cap after clamping to the model's context
+            (`sampling_params.max_tokens` may be None or larger).
+        eos_token_id: ends the request when sampled, unless `ignore_eos`.
+        """
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        # The token id or stop string that ended the request, as vLLM reports it.
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Token-level stop rules after a token was appended: eos, stop_token_ids, max_tokens.
+
+        Stop *strings* need text and are checked by the detokenizer, outside core.
+        Returns the finished status to set, or None to keep going.
+        """
+        n = len(self.output_token_ids)
+        if n == 0:
+            return None
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if n >= params.min_tokens:
+            if last == self.eos_token_id and not params.ignore_eos:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if n >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

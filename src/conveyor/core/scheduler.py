@@ -1,0 +1,324 @@
+"""Token-budget scheduler: continuous batching with chunked prefill and preemption.
+
+Every step hands out at most `max_num_batched_tokens` new tokens to at most `max_num_seqs`
+requests. One counter covers every phase: a request gets up to
+`num_tokens - num_computed_tokens` tokens, so a long prompt is split over steps (chunked
+prefill), a decoding request gets 1, and a preempted request recomputes everything.
+
+    running (admission order)          waiting (policy order)
+    [A decode][B chunk 2/3][C decode]  [P (preempted) ][D new][E new]
+       1 tok     k toks       1 tok       admitted while budget, seqs and blocks allow;
+                                          a prompt larger than the budget left is chunked
+    When a running request cannot get a block, the policy's victim (by default the most
+    recently admitted) is preempted: blocks freed, num_computed_tokens = 0, re-queued at the
+    front of waiting. A step that preempted for lack of blocks admits nothing new.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from conveyor.config import EngineConfig
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.policies import make_policy
+from conveyor.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs; plain data for the model runner.
+
+    A request is sampled in this step iff
+    `num_computed_tokens + num_scheduled_tokens[id] == num_tokens` (read before the update).
+    """
+
+    # Batch order: running requests first (admission order), then the newly admitted.
+    scheduled: list[Request]
+    # New tokens per request id: prefill chunk, whole prompt, recompute or 1 decode token.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Live block tables of the scheduled requests (read-only; see BlockManager).
+    block_tables: dict[str, list[int]]
+    # Preempted (recompute) in this step; their cached K/V is gone.
+    preempted_request_ids: list[str]
+    # Finished for any reason since the previous schedule(): drop per-request state.
+    finished_request_ids: list[str]
+
+
+class Scheduler:
+    """Decides, step by step, which requests run and how many tokens each computes.
+
+    Invariants between calls: every unfinished request is in exactly one of `waiting`
+    (status WAITING or PREEMPTED, holding no blocks) and `running` (status RUNNING);
+    `len(running) <= max_num_seqs`; finished requests hold no blocks.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        """Args:
+        config: engine config with `num_kv_blocks` and `max_model_len` already resolved.
+        """
+        if config.num_kv_blocks is None or config.max_model_len is None:
+            raise ValueError(
+                "num_kv_blocks and max_model_len must be resolved before building the scheduler."
+            )
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.policy = make_policy(config.scheduler, config)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Unfinished requests by id, for finish_requests().
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        # Finished since the previous schedule(); handed over in its output.
+        self._finished_ids: list[str] = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (0..1)."""
+        return self.block_manager.usage
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request at the back of `waiting`.
+
+        Raises:
+            ValueError: empty prompt, duplicate id, or a request whose prompt plus
+                `max_tokens` could never fit in the whole KV cache (it would wait forever).
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use.")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt must contain at least one token.")
+        # The last sampled token is never fed back, so it needs no cache slot.
+        need = self.block_manager.num_blocks_for(request.num_prompt_tokens + request.max_tokens - 1)
+        if need > self.block_manager.num_total_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs {need} KV blocks for its prompt and "
+                f"max_tokens, but the cache has only {self.block_manager.num_total_blocks}; "
+                "shorten the prompt or lower max_tokens."
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV blocks.
+
+        Running requests come first (decode token or next prompt chunk), then waiting ones
+        in policy order. Does not advance `num_computed_tokens`; `update_from_output` does.
+        May preempt running requests (they show in `preempted_request_ids`).
+
+        Returns:
+            The step's SchedulerOutput (possibly empty).
+        """
+        budget = self.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_scheduled: dict[str, int] = {}
+        preempted_ids: list[str] = []
+        running = self.running
+        now = time.monotonic()
+
+        if self.waiting and running:
+            for victim in self.policy.select_preemptions(running, self.waiting, now):
+                if victim.status is RequestStatus.RUNNING:
+                    self._preempt(victim, running.index(victim), preempted_ids)
+        num_policy_preemptions = len(preempted_ids)
+
+        # 1. Running requests, in admission order.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:  # Nothing to compute (its sampled token never came back).
+                i += 1
+                continue
+            preempted_self = False
+            while not self.block_manager.allocate_slots(req, n):
+                victim = self.policy.select_victim(running)
+                vi = len(running) - 1 if running[-1] is victim else running.index(victim)
+                self._preempt(victim, vi, preempted_ids)
+                if victim is req:
+                    preempted_self = True
+                    break
+                if vi < i:  # An earlier request (maybe already scheduled) gave way.
+                    i -= 1
+                    freed = num_scheduled.pop(victim.request_id, 0)
+                    if freed:
+                        budget += freed
+                        scheduled.remove(victim)
+            if preempted_self:
+                # Nothing was left to take blocks from; the step just schedules less.
+                break
+            scheduled.append(req)
+            num_scheduled[req.request_id] = n
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, unless blocks ran short this step (admitting more would only
+        #    be preempted again next step).
+        if (
+            len(preempted_ids) == num_policy_preemptions
+            and self.waiting
+            and budget > 0
+            and len(running) < self.max_num_seqs
+            and self.block_manager.num_free_blocks > 0
+            and self.policy.may_admit(running)
+        ):
+            # Requests the policy just preempted are not re-admitted in the same step.
+            skip = set(preempted_ids)
+            budget = self._admit(budget, scheduled, num_scheduled, now, skip)
+
+        get_table = self.block_manager.get_block_table
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            block_tables={r.request_id: get_table(r.request_id) for r in scheduled},
+            preempted_request_ids=preempted_ids,
+            finished_request_ids=finished_ids,
+        )
+
+    def _admit(
+        self,
+        budget: int,
+        scheduled: list[Request],
+        num_scheduled: dict[str, int],
+        now: float,
+        skip: set[str],
+    ) -> int:
+        """Admit waiting requests in policy order, except `skip` ids; returns the budget left."""
+        running = self.running
+        admitted: list[Request] = []
+        for req in self.policy.order_waiting(self.waiting, now, running):
+            if budget <= 0 or len(running) >= self.max_num_seqs:
+                break
+            if req.request_id in skip:
+                continue
+            # Waiting requests hold nothing; a preempted one recomputes prompt + outputs.
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.block_manager.allocate_slots(req, n):
+                break
+            req.status = RequestStatus.RUNNING
+            running.append(req)
+            admitted.append(req)
+            scheduled.append(req)
+            num_scheduled[req.request_id] = n
+            budget -= n
+        if admitted:
+            waiting = self.waiting
+            k = len(admitted)
+            if k <= len(waiting) and all(waiting[j] is admitted[j] for j in range(k)):
+                for _ in range(k):  # Queue order (FIFO): pop the head, O(k).
+                    waiting.popleft()
+            else:
+                gone = {id(r) for r in admitted}
+                kept = [r for r in waiting if id(r) not in gone]
+                waiting.clear()
+                waiting.extend(kept)
+        return budget
+
+    def _preempt(self, req: Request, index: int, preempted_ids: list[str]) -> None:
+        """Recompute-preempt running[index] (== req): free blocks, re-queue at the front."""
+        del self.running[index]
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        preempted_ids.append(req.request_id)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Apply one executed step.
+
+        For every scheduled request still running: advance `num_computed_tokens` by its
+        scheduled count; if it was sampled, append the token and apply `check_stop()`.
+        Finished requests leave `running` and free their blocks at once. Requests finished
+        from outside between schedule() and now (aborts) are skipped.
+
+        Args:
+            output: the SchedulerOutput this step executed.
+            sampled_token_ids: request id -> sampled token, for the requests that reached
+                the end of their known tokens.
+        Returns:
+            The requests that got a new token (finished ones included, with final status).
+        """
+        new_token_reqs: list[Request] = []
+        any_finished = False
+        num_scheduled = output.num_scheduled_tokens
+        for req in output.scheduled:
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            rid = req.request_id
+            req.num_computed_tokens += num_scheduled[rid]
+            token_id = sampled_token_ids.get(rid)
+            if token_id is None:
+                continue
+            req.append_output_token(token_id)
+            new_token_reqs.append(req)
+            status = req.check_stop()
+            if status is not None:
+                self._finish(req, status)
+                any_finished = True
+        if any_finished:
+            self.running[:] = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return new_token_reqs
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside: abort, or a stop string the detokenizer matched.
+
+        Frees their blocks and removes them from `waiting` / `running`. Unknown and
+        already-finished ids are ignored.
+
+        Args:
+            request_ids: ids to finish.
+            status: a finished status (e.g. FINISHED_ABORTED, FINISHED_STOPPED).
+        Returns:
+            The requests this call finished.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status.name}.")
+        finished: list[Request] = []
+        any_running = any_waiting = False
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:  # Unknown, or already finished.
+                continue
+            if req.status is RequestStatus.RUNNING:
+                any_running = True
+            else:
+                any_waiting = True
+            self._finish(req, status)
+            finished.append(req)
+        # One filtering pass per queue, not one O(n) removal per request.
+        if any_running:
+            self.running[:] = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        if any_waiting:
+            kept = [r for r in self.waiting if not r.is_finished]
+            self.waiting.clear()
+            self.waiting.extend(kept)
+        return finished
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark finished, free blocks, forget the id (the caller removes it from its queue)."""
+        req.status = status
+        self.block_manager.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)

@@ -1,0 +1,286 @@
+"""LLMEngine: add_request / step / abort. One step = schedule, execute, update, emit.
+
+The engine owns the tokenizer, the scheduler (core/) and the model runner (model/), and keeps
+per-sequence text state (incremental detokenizer, logprobs). A request with n > 1 fans out
+into n sequences `"{request_id}#{i}"` that are scheduled independently and reported together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+from conveyor.config import EngineConfig
+from conveyor.core.request import Request, RequestStatus
+from conveyor.core.scheduler import Scheduler
+from conveyor.model.runner import ModelRunner
+from conveyor.model.sampler import TokenLogprobs
+from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
+from conveyor.sampling_params import SamplingParams
+from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Engine-side state of one generated sequence."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # text handed out so far (never contains a partial stop string)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    stream: bool
+    seqs: list[_Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """The synchronous engine under `LLM` and `AsyncLLM`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from conveyor.demo import demo_model_path
+
+        self.config = config
+        model_path = str(config.model or demo_model_path())
+        self.model_path = model_path
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_path)
+        self.runner = ModelRunner(config, model_path)
+        # Resolve what the checkpoint and the memory budget decide, then build the scheduler.
+        config.num_kv_blocks = self.runner.num_kv_blocks
+        config.max_model_len = self.runner.max_model_len
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(config)
+        self._parents: dict[str, _Parent] = {}
+        self._seqs: dict[str, _Sequence] = {}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        stream: bool = False,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queue a request.
+
+        Args:
+            prompt: text (tokenized here unless `prompt_token_ids` is given) or token ids.
+            stream: report the request after every step that changes it; otherwise only
+                when it finishes.
+        Raises:
+            ValueError: a duplicate id, an empty or invalid prompt, or a prompt that can
+                never fit the model's context or the whole KV cache.
+        """
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            prompt_ids = prompt_token_ids or self.tokenizer.encode(prompt)
+        else:
+            prompt_text, prompt_ids = None, list(prompt)
+        max_tokens = self.check_prompt(prompt_ids, params)
+        params = self._with_generation_eos(params)
+        parent = _Parent(request_id, prompt_text, prompt_ids, stream)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for i in range(params.n):
+            seq_params = params
+            if params.n > 1 and params.seed is not None:
+                # Each of the n samples gets its own reproducible stream.
+                seq_params = dataclasses.replace(params, seed=params.seed + i)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(
+                seq_id,
+                prompt_ids,
+                seq_params,
+                max_tokens=max_tokens,
+                eos_token_id=self.tokenizer.eos_token_id,
+                arrival_time=arrival,
+            )
+            seq = _Sequence(
+                req,
+                request_id,
+                i,
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, seq_params),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            parent.seqs.append(seq)
+            self._seqs[seq_id] = seq
+        self._parents[request_id] = parent
+        for seq in parent.seqs:
+            self.scheduler.add_request(seq.request)
+
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Reject a prompt that can never run; return its output cap.
+
+        Returns:
+            max_tokens clamped to what the model's context leaves after the prompt.
+        """
+        if not prompt_ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        vocab = self.runner.vocab_size
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"Prompt token ids must be integers in [0, {vocab}); got {t!r}.")
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {n} tokens, leaving no room for output."
+            )
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        # The last sampled token never needs a KV slot: a sequence holds n + max_tokens - 1.
+        need = n + max_tokens - 1
+        capacity = self.scheduler.block_manager.num_total_blocks * self.config.block_size
+        if need > capacity:
+            raise ValueError(
+                f"The request needs {need} KV cache slots (prompt {n} + max_tokens "
+                f"{max_tokens} - 1) but the whole KV cache holds {capacity}; lower max_tokens "
+                "or the prompt length, or give the engine more KV blocks."
+            )
+        return max_tokens
+
+    def _with_generation_eos(self, params: SamplingParams) -> SamplingParams:
+        """Extra eos ids from generation_config.json stop the request like eos does."""
+        extra = [
+            t
+            for t in self.tokenizer.eos_token_ids
+            if t != self.tokenizer.eos_token_id and t not in params.stop_token_ids
+        ]
+        if params.ignore_eos or not extra:
+            return params
+        return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """End requests with finish_reason "abort" and free their blocks at once.
+
+        Returns:
+            the final output of each aborted request that was still known.
+        """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for rid in request_ids:
+            parent = self._parents.get(rid)
+            if parent is None:
+                continue
+            self.scheduler.finish_requests(
+                [s.request.request_id for s in parent.seqs], RequestStatus.FINISHED_ABORTED
+            )
+            outputs.append(self._make_output(parent))
+            self._forget(parent)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, update requests, report outputs.
+
+        Returns:
+            one RequestOutput per streaming request that changed and per request that
+            finished in this step.
+        """
+        sched_out = self.scheduler.schedule()
+        self.runner.remove_requests(sched_out.finished_request_ids)
+        if sched_out.total_num_scheduled_tokens == 0:
+            return []
+        sampled, sampler_out = self.runner.execute(sched_out)
+        if sampler_out is None:
+            self.scheduler.update_from_output(sched_out, {})
+            return []
+        tokens = {r.request_id: t for r, t in zip(sampled, sampler_out.token_ids, strict=True)}
+        logprobs = dict(zip(tokens, sampler_out.logprobs, strict=True))
+        updated = self.scheduler.update_from_output(sched_out, tokens)
+
+        touched: dict[str, _Parent] = {}
+        for req in updated:
+            seq = self._seqs[req.request_id]
+            self._update_sequence(seq, tokens[req.request_id], logprobs[req.request_id])
+            parent = self._parents[seq.parent_id]
+            touched[parent.request_id] = parent
+        outputs = []
+        for parent in touched.values():
+            if parent.finished:
+                outputs.append(self._make_output(parent))
+                self._forget(parent)
+            elif parent.stream:
+                outputs.append(self._make_output(parent))
+        return outputs
+
+    def _update_sequence(
+        self, seq: _Sequence, token_id: int, lp: TokenLogprobs | None
+    ) -> None:
+        req = seq.request
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(self._logprob_dict(lp))
+            seq.cumulative_logprob += lp.logprob
+        # eos / a stop token id ended it: like vLLM, its text is not part of the output.
+        stop_token = req.status == RequestStatus.FINISHED_STOPPED
+        stop = seq.detokenizer.update([token_id], stop_terminated=stop_token)
+        if stop is not None:
+            req.stop_reason = stop
+            if req.is_finished:
+                # The same token also hit eos or max_tokens: the stop string decides.
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        seq.text += seq.detokenizer.get_delta(req.is_finished)
+
+    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        decode = self.tokenizer.id_to_token_text
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+            if tid not in out:
+                out[tid] = Logprob(value, rank, decode(tid))
+        return out
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=list(s.request.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.request.status.finish_reason,
+                stop_reason=s.request.stop_reason,
+            )
+            for s in parent.seqs
+        ]
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            completions,
+            finished=parent.finished,
+        )
+
+    def _forget(self, parent: _Parent) -> None:
+        del self._parents[parent.request_id]
+        for s in parent.seqs:
+            self._seqs.pop(s.request.request_id, None)
+

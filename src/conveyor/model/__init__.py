@@ -1,0 +1,1 @@
+"""Torch side of conveyor: checkpoint loading, decoder modules, paged attention, sampling."""

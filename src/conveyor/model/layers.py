@@ -1,0 +1,135 @@
+"""Building blocks shared by the decoder families: RMSNorm, rotary embedding, gated MLP.
+
+Each block matches transformers' arithmetic (same op order, fp32 where transformers uses fp32)
+so that float32 logits agree to ~1e-5 with `AutoModelForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add (the vLLM calling convention).
+
+    `norm(x)` returns the normalised x. `norm(x, residual)` first forms `x + residual` and
+    returns `(normalised sum, sum)`: the sum is the residual stream the next block adds to.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel; identical to the formula below in fp32.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # transformers normalises in fp32, casts back, then scales by the (low precision) weight.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (fp32, on CPU) for default, linear or llama3 rope.
+
+    Args:
+        head_dim: rotary dimension (the whole head).
+        theta: rope base.
+        scaling: None / {"rope_type": "default"}, {"rope_type": "linear", "factor"} or
+            {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings"}.
+    Returns:
+        float32 tensor, same values as transformers' rope init functions.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: default, linear, llama3.")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a precomputed cos/sin table indexed by position.
+
+    The table `cos_sin_cache` is [max_position, head_dim] = [cos(half) | sin(half)], computed
+    once in fp32 and then cast with the module (model.to(dtype)), exactly as transformers
+    casts its per-call cos/sin. Positions must be < max_position.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}.")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        # Explicit device: stays real even when the model is built under torch.device("meta").
+        pos = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
+        freqs = pos[:, None] * inv_freq[None, :]
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Look up cos, sin for positions [T]; each comes back as [T, 1, head_dim // 2]."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by cos/sin [T, 1, D/2] (rotate_half convention of transformers)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """SiLU-gated MLP with gate and up projections fused into one GEMM.
+
+    gate_up_proj.weight = cat([gate_proj.weight, up_proj.weight]) (loader concatenates).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,260 @@
+"""Llama-family decoders: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+
+Module names mirror transformers' (`model.layers.N.self_attn...`) except two fused GEMMs:
+`qkv_proj` = cat(q_proj, k_proj, v_proj) and `mlp.gate_up_proj` = cat(gate_proj, up_proj);
+`PACKED_MODULES` tells the loader how to build them. Residual adds are fused into the
+following RMSNorm, so a layer passes (hidden, residual) along.
+
+Mistral's sliding_window is not applied: the reference attention always sees the whole
+context, which equals sliding-window attention only while contexts are <= sliding_window
+(4096 for Mistral 7B). Runners that allow longer contexts will differ from transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    get_attention_backend,
+)
+from conveyor.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The fields of an HF config.json our decoders use (built by `from_hf_config`)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # None = default rope; else has "rope_type"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # recorded, not applied (see module docstring)
+    torch_dtype: str | None = None  # checkpoint dtype name, e.g. "bfloat16"
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a config.json dict (transformers 4 or 5 rope fields).
+
+        transformers 5 writes `rope_parameters` {rope_type, rope_theta, factor, ...};
+        transformers 4 writes `rope_theta` plus an optional `rope_scaling` dict ("type" or
+        "rope_type"). Both are accepted.
+        """
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry.")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Only hidden_act 'silu' is supported, got {hf['hidden_act']!r}.")
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of {kv_heads}.")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        if "full_attention" in rope:  # transformers 5 per-layer-type form
+            rope = dict(rope["full_attention"])
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"Unsupported rope type {rope_type!r}; supported: default, linear, llama3."
+            )
+        scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
+        use_window = hf.get("use_sliding_window", True)  # Qwen2/3 gate it behind this flag
+        return cls(
+            architecture=archs[0],
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=hf.get("sliding_window") if use_window else None,
+            torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.scale = d**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if qk_norm else None
+        self.backend = backend
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
+        if self.q_norm is None:
+            # One rotary call for q and k heads together (they share cos/sin per token).
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, d)
+            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], 1)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, d))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attn: LlamaAttention) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, make_attn: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, make_attn()) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder over a paged KV cache. Subclasses only change per-family flags."""
+
+    # HF module name -> (our fused module, shard index); the loader concatenates shards.
+    PACKED_MODULES: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    force_qkv_bias: ClassVar[bool] = False  # Qwen2: q/k/v always have bias, o_proj none
+    qk_norm: ClassVar[bool] = False  # Qwen3: RMSNorm per head on q and k before rope
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        backend = backend or get_attention_backend("torch", "cpu")
+        qkv_bias = config.attention_bias or self.force_qkv_bias
+        o_bias = config.attention_bias
+
+        def make_attn() -> LlamaAttention:
+            return LlamaAttention(config, qkv_bias, o_bias, self.qk_norm, backend)
+
+        self.model = LlamaModel(config, make_attn)
+        # Tied: logits reuse the embedding matrix, so there is no lm_head parameter at all.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Route every layer's attention through `backend`."""
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run one flat varlen batch.
+
+        Args:
+            input_ids: int64 [T] new tokens of every request, batch order.
+            positions: int64 [T] their positions (< max_position_embeddings).
+            kv_caches: one [2, num_blocks, block_size, Hkv, D] tensor per layer (written).
+            meta: the step's AttentionMetadata.
+        Returns:
+            final-norm hidden states [T, hidden_size].
+        """
+        m = self.model
+        cos, sin = m.rotary_emb(positions)  # once per step, shared by all layers
+        x, residual = m.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(m.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        x, _ = m.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same graph as Llama (sliding_window not applied; see module docstring)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    force_qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,208 @@
+"""Load an HF checkpoint directory (config.json + *.safetensors) into our modules.
+
+The class comes from `config.json["architectures"][0]` through `MODEL_REGISTRY`; a new family
+is one module plus registry lines. The model is built on the meta device (no random init),
+then every parameter is assigned from the checkpoint, converted to the target dtype/device:
+
+    HF name                                   ours
+    model.layers.N.self_attn.{q,k,v}_proj.*   model.layers.N.self_attn.qkv_proj.*  (cat dim 0)
+    model.layers.N.mlp.{gate,up}_proj.*       model.layers.N.mlp.gate_up_proj.*    (cat dim 0)
+    lm_head.weight                            lm_head.weight, or absent when tied
+    everything else                           same name
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from conveyor.model.attention import get_attention_backend
+from conveyor.model.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    ModelConfig,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Buffers some older checkpoints saved; we recompute them.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a checkpoint directory."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path} is not a checkpoint directory: no config.json.")
+    return json.loads(config_file.read_text())
+
+
+def resolve_model_class(hf_config: dict[str, Any]) -> type[LlamaForCausalLM]:
+    """The registered class for the checkpoint's first architecture (ValueError if none)."""
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"Unsupported architecture {archs or None}; supported: {', '.join(MODEL_REGISTRY)}."
+    )
+
+
+def resolve_dtype(
+    dtype: torch.dtype | str, hf_config: dict[str, Any], device: torch.device
+) -> torch.dtype:
+    """A torch dtype from a dtype or name; "auto": float32 on CPU, else the checkpoint's
+    half-precision dtype (float32 if it has none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32  # CPU half-precision GEMMs are slow without AMX/AVX512-BF16
+        name = hf_config.get("dtype") or hf_config.get("torch_dtype")
+        return _DTYPES[name] if name in ("float16", "bfloat16") else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(f"No model.safetensors or model.safetensors.index.json in {path}.")
+
+
+def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor in the given safetensors files."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def _checkpoint_names(files: list[Path]) -> set[str]:
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    attention_backend: str = "auto",
+) -> LlamaForCausalLM:
+    """Load a checkpoint directory into our model, in eval mode on device/dtype.
+
+    Args:
+        path: HF checkpoint directory (config.json + safetensors).
+        dtype: torch dtype or "auto" / "float32" / "float16" / "bfloat16".
+        device: torch device or name ("auto": cuda when available, else cpu).
+        attention_backend: name for get_attention_backend ("auto", "torch", "triton").
+    Returns:
+        the model; callers run it under torch.inference_mode().
+    Raises:
+        ValueError: unknown architecture, unsupported config, missing/unexpected/misshaped
+            weights.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    hf_config = read_hf_config(path)
+    cls = resolve_model_class(hf_config)
+    dtype = resolve_dtype(dtype, hf_config, device)
+    config = ModelConfig.from_hf_config(hf_config)
+    files = checkpoint_files(path)
+    # Tied when the config says so, or when the checkpoint simply has no lm_head.
+    config.tie_word_embeddings = (
+        config.tie_word_embeddings or "lm_head.weight" not in _checkpoint_names(files)
+    )
+    backend = get_attention_backend(attention_backend, device)
+    with torch.device("meta"):
+        model = cls(config, backend)
+    _assign_weights(model, iter_checkpoint_tensors(files), dtype, device)
+    # Parameters are already in place; this moves the buffers (the rope table) along.
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _assign_weights(
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Map HF names to ours, concatenate packed shards and assign every parameter."""
+    expected = dict(model.named_parameters())
+    packed = model.PACKED_MODULES
+    shard_counts: dict[str, int] = {}
+    for fused, index in packed.values():
+        shard_counts[fused] = max(shard_counts.get(fused, 0), index + 1)
+    pending: dict[str, dict[int, torch.Tensor]] = {}  # fused param name -> shard pieces
+    unexpected: list[str] = []
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
+            continue
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in packed:
+            fused, index = packed[parts[-2]]
+            ours = ".".join([*parts[:-2], fused, parts[-1]])
+            pieces = pending.setdefault(ours, {})
+            pieces[index] = tensor
+            if len(pieces) < shard_counts[fused]:
+                continue
+            tensor = torch.cat([pieces[i] for i in range(shard_counts[fused])], dim=0)
+            del pending[ours]
+            name = ours
+        if name not in expected:
+            unexpected.append(name)
+            continue
+        _set_parameter(model, name, expected[name], tensor, dtype, device)
+        loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if pending:
+        missing += [f"{n} (only shards {sorted(p)} found)" for n, p in pending.items()]
+    if missing or unexpected:
+        raise ValueError(
+            f"Checkpoint does not match {type(model).__name__}: missing weights "
+            f"{missing or 'none'}; unexpected weights {sorted(unexpected) or 'none'}."
+        )
+
+
+def _set_parameter(
+    model: nn.Module,
+    name: str,
+    placeholder: nn.Parameter,
+    tensor: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    if tuple(tensor.shape) != tuple(placeholder.shape):
+        raise ValueError(
+            f"Weight {name} has shape {tuple(tensor.shape)}, expected {tuple(placeholder.shape)}."
+        )
+    module_name, _, leaf = name.rpartition(".")
+    value = tensor.to(device=device, dtype=dtype).contiguous()
+    setattr(model.get_submodule(module_name), leaf, nn.Parameter(value, requires_grad=False))

@@ -1,0 +1,171 @@
+"""ModelRunner: a SchedulerOutput in, one sampled token per finishing request out.
+
+Every step flattens the scheduled requests into one varlen batch (no padding) and runs the
+model once, prefill chunks and decode tokens together:
+
+    scheduled:   A (prefill chunk, 4 new)   B (decode, 1 new)   C (decode, 1 new)
+    input_ids:   a4 a5 a6 a7 | b9 | c3                               T = 6 tokens
+    positions:    4  5  6  7 |  9 |  3
+    query_start_loc: [0, 4, 5, 6]     seq_lens: [8, 10, 4]   (context after this step)
+    slot of a token at position p of a request with block table bt:
+        bt[p // block_size] * block_size + p % block_size
+
+Only requests whose step reaches the end of their known tokens are sampled (A is sampled only
+if position 7 is its last token); their logits are computed at the last row of their chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from conveyor.config import EngineConfig
+from conveyor.core.request import Request
+from conveyor.core.scheduler import SchedulerOutput
+from conveyor.model.attention import (
+    AttentionMetadata,
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+)
+from conveyor.model.loader import load_model
+from conveyor.model.sampler import Sampler, SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA GPU is available.")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """float32 on CPU by default (exact parity, fast MKL GEMMs); bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    """Owns the model, the paged KV cache tensors and the sampler."""
+
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.model = load_model(
+            model_path, self.dtype, self.device, attention_backend=config.attention_backend
+        )
+        mcfg = self.model.config
+        self.vocab_size = mcfg.vocab_size
+        self.max_model_len = min(
+            config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+        )
+        bytes_per_block = kv_cache_bytes_per_block(mcfg, self.block_size, self.dtype)
+        if config.num_kv_blocks is not None:
+            self.num_kv_blocks = config.num_kv_blocks
+        else:
+            budget = int(config.kv_cache_space_gb * (1 << 30))
+            self.num_kv_blocks = max(1, budget // bytes_per_block)
+        self.kv_caches = allocate_kv_caches(
+            mcfg, self.num_kv_blocks, self.block_size, self.dtype, self.device
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_kv_blocks,
+            self.block_size,
+            self.num_kv_blocks * bytes_per_block / 2**20,
+        )
+        self.sampler = Sampler(self.vocab_size, config.seed, self.device)
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.sampler.remove_requests(request_ids)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
+        """Run one step.
+
+        Returns:
+            the requests that were sampled (in row order) and the sampler's output for them
+            (None when no request reached the end of its tokens this step).
+        """
+        input_ids, meta, sample_rows, sampled = self._prepare(out)
+        if not sampled:
+            # Pure prefill-chunk step: the K/V still has to be written.
+            self.model(input_ids, meta.positions, self.kv_caches, meta)
+            return [], None
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return sampled, self.sampler(logits, sampled)
+
+    def _prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[Request]]:
+        bs = self.block_size
+        token_ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sampled: list[Request] = []
+        sample_rows: list[int] = []
+        tables = []
+        row = 0
+        for req in out.scheduled:
+            n = out.num_scheduled_tokens[req.request_id]
+            start = req.num_computed_tokens
+            end = start + n
+            token_ids.extend(_token_slice(req, start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(out.block_tables[req.request_id])
+            row += n
+            if end == req.num_tokens:
+                sampled.append(req)
+                sample_rows.append(row - 1)
+
+        num_reqs = len(query_lens)
+        q_lens = np.asarray(query_lens, dtype=np.int64)
+        s_lens = np.asarray(seq_lens, dtype=np.int64)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        # position of token t = t - (start of its chunk in the flat batch) + (its first position)
+        first_pos = s_lens - q_lens
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        positions = np.arange(row) - (query_start_loc[:-1] - first_pos)[req_of_token]
+        max_blocks = max(len(t) for t in tables)
+        block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+        for i, table in enumerate(tables):
+            block_tables[i, : len(table)] = table
+        slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(s_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(s_lens.max()),
+            positions=torch.from_numpy(positions).to(dev),
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return input_ids, meta, rows, sampled
+
+
+def _token_slice(req: Request, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output without concatenating the two lists."""
+    num_prompt = req.num_prompt_tokens
+    if start >= num_prompt:
+        return req.output_token_ids[start - num_prompt : end - num_prompt]
+    if end <= num_prompt:
+        return req.prompt_token_ids[start:end]
+    return req.prompt_token_ids[start:] + req.output_token_ids[: end - num_prompt]

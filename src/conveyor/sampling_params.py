@@ -1,0 +1,107 @@
+"""Sampling parameters of one request, checked once when the request is made.
+
+Every invalid value raises ValueError naming the field and the allowed range, so
+`LLM.generate` and the HTTP server (which maps ValueError to 400) share one check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, as in vLLM's SamplingParams.
+
+    `temperature == 0` means greedy. `top_k` of -1 or 0 disables top-k, `top_p == 1` and
+    `min_p == 0` disable theirs. `stop` strings are matched on the detokenized text and are
+    not part of the returned text; `stop_token_ids` end the request when sampled.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    priority: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._verify()
+
+    def _verify(self) -> None:
+        _check_int("n", self.n, lo=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        _check_float("temperature", self.temperature, "must be >= 0", lambda v: v >= 0)
+        _check_float("top_p", self.top_p, "must be in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        _check_int("top_k", self.top_k, lo=-1, hint="-1 or 0 disables top-k")
+        _check_float("min_p", self.min_p, "must be in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), "must be in [-2, 2]", lambda v: -2 <= v <= 2)
+        _check_float(
+            "repetition_penalty",
+            self.repetition_penalty,
+            "must be in (0, 2]",
+            lambda v: 0.0 < v <= 2.0,
+        )
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        _check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}.")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}.")
+    if value < lo or (hi is not None and value > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        extra = f" ({hint})" if hint else ""
+        raise ValueError(f"{name} must be {allowed}{extra}, got {value}.")
+
+
+def _check_float(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    if value != value or not ok(value):  # value != value catches NaN
+        raise ValueError(f"{name} {allowed}, got {value}.")

@@ -1,0 +1,56 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_TINY_TOKENIZER_TEXT = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "Café, naïve, résumé, Ångström and façade: accents everywhere.",
+    "Emoji time 😀🎉🚀 and more emoji 👍🏽 in a sentence.",
+    "日本語のテキストと中文文本 mixed with English words.",
+    "STOP here. The end of the story is near; stop, please stop.",
+    "def add(a, b):\n    return a + b  # some code\n",
+]
+
+_CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small byte-level BPE tokenizer (no download), saved in HF format.
+
+    Special tokens: `<|endoftext|>` (eos, id 0), `<|im_start|>` (1), `<|im_end|>` (2); it has a
+    ChatML chat template. Load it with `AutoTokenizer.from_pretrained(dir)`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TINY_TOKENIZER_TEXT * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.chat_template = _CHATML_TEMPLATE
+    path = tmp_path_factory.mktemp("tiny_tokenizer")
+    fast.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded demo checkpoint, written once per test session into a temp folder."""
+    from conveyor.demo import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("demo-model"))

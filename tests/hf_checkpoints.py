@@ -1,0 +1,83 @@
+"""Tiny random-weight Hugging Face checkpoints written to disk, for parity tests.
+
+Each checkpoint is a real HF folder (config.json, safetensors, tokenizer files) that both
+transformers and conveyor load. The demo model's BPE tokenizer is reused so that the engine
+can detokenize; the vocabulary is its size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+# Architecture name -> (config class, extra config fields). Sizes stay tiny so every
+# transformers generate call takes milliseconds.
+_BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama3-rope": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            num_key_value_heads=1,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+}
+
+
+def write_checkpoint(
+    path: Path, family: str, tokenizer_dir: Path, init_std: float = 0.1, seed: int = 0
+) -> Path:
+    """Write a random-weight checkpoint of `family` with the tokenizer from `tokenizer_dir`.
+
+    Args:
+        init_std: the weights' init std; larger than HF's 0.02 so that greedy argmaxes are
+            rarely near-ties and float reordering cannot flip them.
+    """
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    cls_name, extra = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(
+        **{**_BASE, **extra},
+        vocab_size=len(tok),
+        initializer_range=init_std,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        # HF inits biases to 0 and norms to 1: perturb them so that loading them is tested.
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, init_std)
+            elif "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -1,0 +1,495 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from conveyor.config import EngineConfig
+from conveyor.core.policies import (
+    FifoPolicy,
+    SchedulingPolicy,
+    available_policies,
+    make_policy,
+    register_policy,
+)
+from conveyor.core.request import Request, RequestStatus
+from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.sampling_params import SamplingParams
+
+TOKEN = 7  # what the fake model samples unless a test says otherwise
+
+
+def make_scheduler(**overrides: int | str) -> Scheduler:
+    kwargs: dict = dict(
+        max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_kv_blocks=32, max_model_len=256
+    )
+    kwargs.update(overrides)
+    return Scheduler(EngineConfig(**kwargs))
+
+
+def make_request(
+    request_id: str, num_prompt_tokens: int, max_tokens: int = 4, eos_token_id: int | None = None
+) -> Request:
+    prompt = [100 + i for i in range(num_prompt_tokens)]
+    params = SamplingParams(max_tokens=max_tokens)
+    return Request(request_id, prompt, params, max_tokens=max_tokens, eos_token_id=eos_token_id)
+
+
+def to_sample(out: SchedulerOutput) -> list[Request]:
+    """Requests the model samples for: those whose step reaches the end of their tokens."""
+    n = out.num_scheduled_tokens
+    return [r for r in out.scheduled if r.num_computed_tokens + n[r.request_id] == r.num_tokens]
+
+
+def step(sched: Scheduler, token: int = TOKEN) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update_from_output(out, {r.request_id: token for r in to_sample(out)})
+    return out
+
+
+def test_schedule_does_not_advance_num_computed_tokens():
+    sched = make_scheduler()
+    req = make_request("a", 5)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 5}
+    assert req.num_computed_tokens == 0
+    assert req.status is RequestStatus.RUNNING
+    sched.update_from_output(out, {"a": TOKEN})
+    assert req.num_computed_tokens == 5
+    assert req.output_token_ids == [TOKEN]
+
+
+def test_long_prompt_is_chunked_across_steps():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    req = make_request("a", 40)
+    sched.add_request(req)
+    schedule = []
+    for _ in range(4):
+        out = step(sched)
+        schedule.append((out.num_scheduled_tokens["a"], len(out.block_tables["a"])))
+    # 16 + 16 + 8 prompt tokens, sampled after the last chunk, then one decode token.
+    assert schedule == [(16, 2), (16, 4), (8, 5), (1, 6)]
+    assert req.output_token_ids == [TOKEN, TOKEN]
+    assert req.num_computed_tokens == 41
+
+
+def test_running_decodes_go_first_and_new_prompt_takes_the_rest_of_the_budget():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    a, b = make_request("a", 10, max_tokens=8), make_request("b", 30, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    outs = [step(sched) for _ in range(4)]
+    assert [o.num_scheduled_tokens for o in outs] == [
+        {"a": 10, "b": 6},
+        {"a": 1, "b": 15},
+        {"a": 1, "b": 9},  # b's prompt completes: sampled
+        {"a": 1, "b": 1},
+    ]
+    assert [[r.request_id for r in o.scheduled] for o in outs] == [["a", "b"]] * 4
+    assert [o.total_num_scheduled_tokens for o in outs] == [16, 16, 10, 2]
+    assert (a.num_output_tokens, b.num_output_tokens) == (4, 2)
+
+
+def test_token_budget_caps_the_step_and_chunks_the_last_prompt():
+    sched = make_scheduler(max_num_batched_tokens=10)
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", 4))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r0": 4, "r1": 4, "r2": 2}
+    assert out.total_num_scheduled_tokens == 10
+    assert [r.request_id for r in sched.waiting] == ["r3"]
+
+
+def test_max_num_seqs_is_respected():
+    sched = make_scheduler(max_num_seqs=2)
+    sched.add_request(make_request("r0", 4, max_tokens=1))
+    for i in range(1, 5):
+        sched.add_request(make_request(f"r{i}", 4, max_tokens=3))
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"r0": 4, "r1": 4}
+    assert sched.num_waiting == 3
+    assert sched.requests.get("r0") is None  # finished after one token
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"r1": 1, "r2": 4}
+    assert out.finished_request_ids == ["r0"]
+    assert sched.num_running == 2
+
+
+def test_preempts_most_recently_admitted_when_blocks_run_out():
+    # 4 blocks of 8 slots: two 16-token prompts fill the cache.
+    sched = make_scheduler(num_kv_blocks=4)
+    a, b = make_request("a", 16, max_tokens=3), make_request("b", 16, max_tokens=4)
+    sched.add_request(a)
+    sched.add_request(b)
+    out1 = step(sched)
+    assert out1.num_scheduled_tokens == {"a": 16, "b": 16}
+    assert sched.block_manager.num_free_blocks == 0
+    c = make_request("c", 8, max_tokens=1)
+    sched.add_request(c)
+
+    # a's 17th token needs a third block: b (admitted last) is preempted, nothing admitted.
+    out2 = step(sched)
+    assert out2.num_scheduled_tokens == {"a": 1}
+    assert out2.preempted_request_ids == ["b"]
+    assert b.status is RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and sched.num_preemptions == 1
+    assert sched.block_manager.get_block_table("b") == []
+    assert list(sched.waiting) == [b, c]  # re-queued at the front
+    assert sched.block_manager.num_free_blocks == 1
+
+    # b needs 3 blocks for its 17 tokens, only 1 is free: FIFO admits nobody behind it.
+    out3 = step(sched)
+    assert out3.num_scheduled_tokens == {"a": 1}
+    assert a.status is RequestStatus.FINISHED_LENGTH
+    assert sched.block_manager.num_free_blocks == 4  # freed at once
+
+    # b recomputes prompt + its first output token, then c gets the last block.
+    out4 = step(sched)
+    assert out4.finished_request_ids == ["a"]
+    assert out4.num_scheduled_tokens == {"b": 17, "c": 8}
+    assert out4.preempted_request_ids == []
+    assert b.output_token_ids == [TOKEN, TOKEN]
+    assert b.num_computed_tokens == 17
+    assert c.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_request_that_must_preempt_itself_only_shrinks_the_step():
+    sched = make_scheduler(num_kv_blocks=4)
+    a, b = make_request("a", 12, max_tokens=5), make_request("b", 16, max_tokens=5)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # a: 2 blocks (13 tokens still fit), b: 2 blocks (17 do not)
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.preempted_request_ids == ["b"]
+    assert list(sched.waiting) == [b]
+    out = step(sched)  # b needs 3 blocks, 2 are free
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.preempted_request_ids == []
+
+
+class OldestVictimPolicy(FifoPolicy):
+    """Preempts the earliest admitted request, which may already be scheduled this step."""
+
+    def select_victim(self, running: list[Request]) -> Request:
+        return running[0]
+
+
+def test_preempting_an_already_scheduled_request_returns_its_tokens():
+    sched = make_scheduler(num_kv_blocks=4)
+    sched.policy = OldestVictimPolicy(EngineConfig())
+    a, b = make_request("a", 12, max_tokens=5), make_request("b", 16, max_tokens=5)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    out = sched.schedule()  # a is scheduled first, then gives way to b's new block
+    assert out.num_scheduled_tokens == {"b": 1}
+    assert out.scheduled == [b]
+    assert out.total_num_scheduled_tokens == 1
+    assert out.preempted_request_ids == ["a"]
+    assert sched.running == [b]
+    assert list(sched.waiting) == [a]
+
+
+def test_finished_request_frees_its_blocks():
+    sched = make_scheduler()
+    req = make_request("a", 20, max_tokens=10, eos_token_id=2)
+    sched.add_request(req)
+    step(sched)
+    assert sched.block_manager.num_free_blocks == 32 - 3
+    step(sched, token=2)  # eos
+    assert req.status is RequestStatus.FINISHED_STOPPED
+    assert req.output_token_ids == [TOKEN, 2]
+    assert sched.block_manager.get_block_table("a") == []
+    assert sched.block_manager.num_free_blocks == 32
+    assert sched.running == [] and not sched.has_unfinished_requests()
+    assert sched.schedule().finished_request_ids == ["a"]
+    assert sched.schedule().finished_request_ids == []
+
+
+def test_update_returns_requests_with_a_new_token():
+    sched = make_scheduler(max_num_batched_tokens=6)
+    sched.add_request(make_request("a", 4, max_tokens=1))
+    sched.add_request(make_request("b", 4))
+    out = sched.schedule()  # a: 4 tokens (sampled), b: 2 of 4 (not sampled)
+    got = sched.update_from_output(out, {"a": TOKEN})
+    assert [r.request_id for r in got] == ["a"]
+    assert got[0].status is RequestStatus.FINISHED_LENGTH
+    assert [r.request_id for r in sched.running] == ["b"]
+
+
+def test_finish_requests_aborts_waiting_and_running_requests():
+    sched = make_scheduler(max_num_seqs=1)
+    a, b = make_request("a", 10), make_request("b", 10)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    assert sched.running == [a] and list(sched.waiting) == [b]
+
+    assert sched.finish_requests(["b", "unknown"], RequestStatus.FINISHED_ABORTED) == [b]
+    assert b.status is RequestStatus.FINISHED_ABORTED
+    assert sched.num_waiting == 0
+
+    assert sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED) == [a]
+    assert a.status.finish_reason == "abort"
+    assert sched.block_manager.get_block_table("a") == []
+    assert sched.block_manager.num_free_blocks == 32
+    assert sched.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED) == []
+    assert not sched.has_unfinished_requests()
+    out = sched.schedule()
+    assert out.finished_request_ids == ["b", "a"]
+    assert out.scheduled == []
+
+
+def test_finish_requests_with_stop_status_keeps_it():
+    sched = make_scheduler()
+    req = make_request("a", 4)
+    sched.add_request(req)
+    step(sched)
+    sched.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)
+    assert req.status.finish_reason == "stop"
+
+
+def test_finish_requests_rejects_an_unfinished_status():
+    with pytest.raises(ValueError, match="finished status"):
+        make_scheduler().finish_requests(["a"], RequestStatus.RUNNING)
+
+
+def test_abort_between_schedule_and_update_is_skipped():
+    sched = make_scheduler()
+    req = make_request("a", 4)
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert sched.update_from_output(out, {"a": TOKEN}) == []
+    assert req.output_token_ids == [] and req.num_computed_tokens == 0
+    assert sched.block_manager.num_free_blocks == 32
+
+
+def test_add_request_rejects_what_could_never_run():
+    sched = make_scheduler(num_kv_blocks=2)  # 16 slots
+    sched.add_request(make_request("fits", 10, max_tokens=7))  # 16 cached tokens at most
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add_request(make_request("too-big", 10, max_tokens=8))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("fits", 1))
+    with pytest.raises(ValueError, match="at least one token"):
+        sched.add_request(make_request("empty", 0))
+
+
+def test_unresolved_config_is_rejected():
+    with pytest.raises(ValueError, match="resolved"):
+        Scheduler(EngineConfig(num_kv_blocks=None, max_model_len=128))
+
+
+def test_unknown_policy_name_lists_the_choices():
+    with pytest.raises(ValueError, match="choose one of: fifo"):
+        make_policy("nope", EngineConfig())
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        make_scheduler(scheduler="nope")
+    assert "fifo" in available_policies()
+    assert isinstance(make_policy("fifo", EngineConfig()), FifoPolicy)
+
+
+def test_registering_a_second_policy_under_a_taken_name_fails():
+    class Impostor(FifoPolicy):
+        name = "fifo"
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy(Impostor)
+
+
+def test_tight_cache_workload_runs_to_completion_with_preemptions():
+    sched = make_scheduler(num_kv_blocks=6, max_num_batched_tokens=20, max_num_seqs=4)
+    reqs = [make_request(f"r{i}", 5 + 3 * i, max_tokens=12) for i in range(8)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert all(r.output_token_ids == [TOKEN] * 12 for r in reqs)
+    assert sched.num_preemptions > 0
+    assert sched.block_manager.num_free_blocks == 6
+
+
+# --- property tests -----------------------------------------------------------------------
+
+
+class RandomPolicy(FifoPolicy):
+    """Adversarial policy: random victims and random voluntary preemptions."""
+
+    def __init__(self, config: EngineConfig, rng: random.Random) -> None:
+        super().__init__(config)
+        self.rng = rng
+
+    def select_victim(self, running: list[Request]) -> Request:
+        return self.rng.choice(running)
+
+    def select_preemptions(self, running, waiting, now) -> list[Request]:
+        return [self.rng.choice(running)] if self.rng.random() < 0.2 else []
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random add / schedule / update / abort against a small cache."""
+
+    @initialize(
+        block_size=st.sampled_from([8, 16]),
+        num_kv_blocks=st.integers(2, 10),
+        budget=st.integers(1, 48),
+        max_num_seqs=st.integers(1, 6),
+        seed=st.integers(0, 2**16),
+        random_policy=st.booleans(),
+    )
+    def setup(self, block_size, num_kv_blocks, budget, max_num_seqs, seed, random_policy):
+        self.config = EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_model_len=num_kv_blocks * block_size,
+        )
+        self.sched = Scheduler(self.config)
+        self.rng = random.Random(seed)
+        self.policy: SchedulingPolicy = self.sched.policy
+        if random_policy:
+            self.policy = self.sched.policy = RandomPolicy(self.config, self.rng)
+        self.capacity = num_kv_blocks * block_size
+        self.pending: SchedulerOutput | None = None
+        self.added: dict[str, Request] = {}
+        self.finish_events: Counter[str] = Counter()
+        self.reported_finished: Counter[str] = Counter()
+
+    @rule(prompt_len=st.integers(1, 64), max_tokens=st.integers(1, 12), eos=st.booleans())
+    def add_request(self, prompt_len, max_tokens, eos):
+        prompt_len = min(prompt_len, self.capacity)
+        max_tokens = min(max_tokens, self.capacity - prompt_len + 1)  # the cache can hold it
+        req = make_request(f"r{len(self.added)}", prompt_len, max_tokens, 0 if eos else None)
+        self.sched.add_request(req)
+        self.added[req.request_id] = req
+
+    @precondition(lambda self: self.pending is None)
+    @rule()
+    def schedule(self):
+        out = self.sched.schedule()
+        cfg, bm = self.config, self.sched.block_manager
+        ids = [r.request_id for r in out.scheduled]
+        assert len(ids) == len(set(ids)) <= cfg.max_num_seqs
+        assert set(out.num_scheduled_tokens) == set(out.block_tables) == set(ids)
+        total = sum(out.num_scheduled_tokens.values())
+        assert total == out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        positions = [self.sched.running.index(r) for r in out.scheduled]
+        assert positions == sorted(positions)  # running first, then the newly admitted
+        for r in out.scheduled:
+            n = out.num_scheduled_tokens[r.request_id]
+            assert r.status is RequestStatus.RUNNING
+            end = r.num_computed_tokens + n
+            assert n >= 1 and end <= r.num_tokens
+            assert len(bm.get_block_table(r.request_id)) * bm.block_size >= end
+        for rid in out.preempted_request_ids:
+            assert self.added[rid].status is RequestStatus.PREEMPTED
+            assert rid not in out.num_scheduled_tokens
+        for rid in out.finished_request_ids:
+            assert self.added[rid].is_finished
+            self.reported_finished[rid] += 1
+        self.pending = out
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def update(self):
+        out, self.pending = self.pending, None
+        # The fake model samples for every request reaching the end of its tokens; 0 is eos.
+        sampled = {r.request_id: self.rng.randrange(8) for r in to_sample(out)}
+        for req in self.sched.update_from_output(out, sampled):
+            assert req.request_id in sampled
+            if req.is_finished:
+                self.finish_events[req.request_id] += 1
+
+    @rule(data=st.data(), stop=st.booleans())
+    def finish_from_outside(self, data, stop):
+        rid = data.draw(st.sampled_from([*self.added, "unknown"]), label="request_id")
+        was_open = rid in self.added and not self.added[rid].is_finished
+        status = RequestStatus.FINISHED_STOPPED if stop else RequestStatus.FINISHED_ABORTED
+        done = self.sched.finish_requests([rid], status)
+        assert [r.request_id for r in done] == ([rid] if was_open else [])
+        for req in done:
+            assert req.status is status
+            self.finish_events[rid] += 1
+
+    @invariant()
+    def state_is_consistent(self):
+        sched, bm = self.sched, self.sched.block_manager
+        free = list(bm.free_block_queue)
+        assert len(free) == len(set(free))  # no block freed twice
+        assert min(bm.ref_counts) >= 0
+        assert sum(1 for c in bm.ref_counts if c > 0) + bm.num_free_blocks == bm.num_total_blocks
+        assert all(bm.ref_counts[b] == 0 for b in free)
+        assert len(sched.running) == len(set(map(id, sched.running))) <= self.config.max_num_seqs
+        assert all(r.status is RequestStatus.RUNNING for r in sched.running)
+        waiting_states = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert all(r.status in waiting_states for r in sched.waiting)
+        open_reqs = {rid for rid, r in self.added.items() if not r.is_finished}
+        queued = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
+        assert sorted(queued) == sorted(open_reqs)
+        pending = self.pending.num_scheduled_tokens if self.pending else {}
+        held = 0
+        for rid, req in self.added.items():
+            table = bm.get_block_table(rid)
+            if req.status is RequestStatus.RUNNING:
+                need = req.num_computed_tokens + pending.get(rid, 0)
+                assert len(table) == cdiv(need, bm.block_size)
+            else:  # waiting, preempted or finished: holds nothing
+                assert table == []
+                assert req.is_finished or req.num_computed_tokens == 0
+            held += len(table)
+            assert self.finish_events[rid] == (1 if req.is_finished else 0)
+        assert held == bm.num_total_blocks - bm.num_free_blocks
+        assert sched.num_preemptions == sum(r.num_preemptions for r in self.added.values())
+        assert all(c == 1 for c in self.reported_finished.values())
+
+    def teardown(self):
+        if not hasattr(self, "sched") or isinstance(self.policy, RandomPolicy):
+            return
+        # Progress: under FIFO the oldest running request is never the victim (unless alone,
+        # and then it fits), so each step brings it one token closer to its end.
+        if self.pending is not None:
+            self.update()
+        open_reqs = [r for r in self.added.values() if not r.is_finished]
+        limit = sum(r.num_prompt_tokens + r.max_tokens for r in open_reqs) + len(open_reqs) + 1
+        for _ in range(limit):
+            if not self.sched.has_unfinished_requests():
+                break
+            self.schedule()
+            self.update()
+            self.state_is_consistent()
+        assert not self.sched.has_unfinished_requests()
+        self.schedule()  # hands over the last finished ids
+        assert self.pending is not None and self.pending.scheduled == []
+        assert all(self.finish_events[rid] == 1 for rid in self.added)
+        assert all(self.reported_finished[rid] == 1 for rid in self.added)
+        assert self.sched.block_manager.num_free_blocks == self.config.num_kv_blocks
+
+
+def test_random_workloads_keep_scheduler_invariants_and_finish_every_request():
+    run_state_machine_as_test(
+        SchedulerMachine,
+        settings=settings(max_examples=120, stateful_step_count=50, deadline=None),
+    )
