@@ -59,7 +59,11 @@ def run_transformers(model: str, prompts, out_lens, batch_size: int) -> dict:
         n = max(ls)
         # min_new_tokens = max_new_tokens: no request stops early at eos, as with ignore_eos.
         return hf.generate(
-            ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
             pad_token_id=pad,
         )
 

@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 import transformers
+from tests.hf_checkpoints import FAMILIES, write_checkpoint
 
 from conveyor import LLM, SamplingParams
-from tests.hf_checkpoints import FAMILIES, write_checkpoint
 
 NUM_PROMPTS = 16
 
@@ -25,7 +25,9 @@ def family_case(request, tmp_path_factory, demo_model_dir):
     path = write_checkpoint(tmp_path_factory.mktemp(family), family, demo_model_dir)
     rng = random.Random(1234)
     vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(NUM_PROMPTS)]
+    prompts = [
+        [rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(NUM_PROMPTS)
+    ]
     max_tokens = [rng.randint(1, 24) for _ in range(NUM_PROMPTS)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     expected = []
@@ -86,7 +88,7 @@ def test_greedy_parity_when_kv_cache_forces_preemption(family_case):
 
 def test_greedy_parity_when_prompts_are_chunked(family_case):
     _, path, prompts, max_tokens, expected = family_case
-    llm, got, steps = _generate(path, prompts, max_tokens, max_num_batched_tokens=7)
+    _, got, steps = _generate(path, prompts, max_tokens, max_num_batched_tokens=7)
     assert got == expected
     # A chunk is a prompt step that stops short of the prompt's end.
     chunked = [

@@ -57,7 +57,9 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model)
     for out in llm.generate(args.prompts, params, use_tqdm=False):
         completion = out.outputs[0]
-        print(f"--- {out.prompt!r} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")
+        print(
+            f"--- {out.prompt!r} ({completion.finish_reason}, {len(completion.token_ids)} tokens)"
+        )
         print(out.prompt + completion.text)
     return 0
 

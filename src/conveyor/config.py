@@ -35,7 +35,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             _positive_int(name, getattr(self, name))
         if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
+            raise ValueError(
+                f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}."
+            )
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:

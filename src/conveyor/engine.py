@@ -231,9 +231,7 @@ class LLMEngine:
                 outputs.append(self._make_output(parent))
         return outputs
 
-    def _update_sequence(
-        self, seq: _Sequence, token_id: int, lp: TokenLogprobs | None
-    ) -> None:
+    def _update_sequence(self, seq: _Sequence, token_id: int, lp: TokenLogprobs | None) -> None:
         req = seq.request
         if seq.logprobs is not None and lp is not None:
             seq.logprobs.append(self._logprob_dict(lp))
@@ -283,4 +281,3 @@ class LLMEngine:
         del self._parents[parent.request_id]
         for s in parent.seqs:
             self._seqs.pop(s.request.request_id, None)
-

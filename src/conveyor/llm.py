@@ -98,9 +98,9 @@ class LLM:
 
 
 def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
-    elif isinstance(prompts, list) and prompts and all(_is_token(t) for t in prompts):
+    single = isinstance(prompts, (str, dict))
+    token_list = isinstance(prompts, list) and bool(prompts) and all(map(_is_token, prompts))
+    if single or token_list:
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(
