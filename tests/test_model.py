@@ -172,6 +172,8 @@ def _dense_attention(q, k, v, ctx: int, scale: float) -> torch.Tensor:
         [(1, 9), (5, 11), (1, 3), (7, 7), (1, 17)],  # decodes interleaved with chunks
         [(1, 5), (1, 13), (1, 1), (1, 24)],  # pure decode
         [(6, 6), (3, 10)],  # fresh prompt + continued chunk
+        # short decodes around one long one: split into length groups, not contiguous
+        [(1, 2), (1, 3), (1, 4), (1, 24), (3, 7), (1, 2), (1, 4), (1, 3), (1, 1)],
     ],
 )
 def test_paged_attention_matches_dense_causal_attention(shapes):
@@ -192,6 +194,8 @@ def test_paged_attention_matches_dense_causal_attention(shapes):
     k_new = torch.cat([k[s - n :] for (n, s), (k, _) in zip(shapes, full, strict=True)])
     v_new = torch.cat([v[s - n :] for (n, s), (_, v) in zip(shapes, full, strict=True)])
     out = TorchAttentionBackend(torch.device("cpu")).forward(q, k_new, v_new, cache, meta, 0.3)
+    if len(shapes) == 9:
+        assert len(meta.backend_state.decode_groups) == 2  # the long decode attends alone
     start = 0
     for (n, s), (k, v) in zip(shapes, full, strict=True):
         want = _dense_attention(q[start : start + n], k, v, s - n, 0.3)

@@ -152,14 +152,81 @@ class _Chunk:
 
 
 @dataclass(slots=True)
+class _DecodeGroup:
+    """Query-length-1 rows attended together: one gather, one SDPA, padded to the longest."""
+
+    rows: slice | torch.Tensor  # their token rows (a slice when contiguous)
+    block_ids: torch.Tensor  # int64 [n * nb], row-major per request
+    mask: torch.Tensor  # additive [n, 1, 1, nb * block_size]: 0 iff key j < seq_len
+    size: int
+
+
+@dataclass(slots=True)
 class _TorchPlan:
     """Index tensors the torch reference derives once per step and reuses in every layer."""
 
-    decode_rows: slice | torch.Tensor | None  # token rows of query-length-1 requests
-    decode_block_ids: torch.Tensor | None  # int64 [Bd * nb], row-major per request
-    decode_mask: torch.Tensor | None  # additive [Bd, 1, 1, nb * block_size]: 0 iff j < seq_len
+    decode_groups: list[_DecodeGroup]
     num_decodes: int
     chunks: list[_Chunk]
+
+
+# Cost of one extra decode group, in "one row x one block" units of gather + attention work
+# (measured on CPU: a group's fixed cost is about that of 20 padded row-blocks).
+_GROUP_OVERHEAD = 20
+
+
+def _split_by_length(rows: list[int], nbs: list[int], max_groups: int = 3) -> list[list[int]]:
+    """Split decode rows into groups of similar length so padding to the longest is cheap.
+
+    A long-context request in a batch of short ones would make every row gather and attend
+    over its length. Rows are sorted by block count and cut where the padding saved beats
+    the fixed cost of one more group (a few cuts at most; O(rows) per cut).
+
+    Args:
+        rows: batch indices of the decode requests; nbs: their block counts (same order).
+    Returns:
+        groups of batch indices, each sorted by batch index.
+    """
+    order = sorted(range(len(rows)), key=nbs.__getitem__)
+    groups = [order]
+    while len(groups) < max_groups:
+        best = None  # (saving, group index, cut)
+        for gi, g in enumerate(groups):
+            top = nbs[g[-1]]
+            for cut in range(1, len(g)):
+                saving = cut * (top - nbs[g[cut - 1]]) - _GROUP_OVERHEAD
+                if saving > 0 and (best is None or saving > best[0]):
+                    best = (saving, gi, cut)
+        if best is None:
+            break
+        _, gi, cut = best
+        g = groups.pop(gi)
+        groups[gi:gi] = [g[:cut], g[cut:]]
+    return [sorted(rows[i] for i in g) for g in groups]
+
+
+def _decode_group(
+    meta: AttentionMetadata,
+    batch_idx: list[int],
+    starts: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+) -> _DecodeGroup:
+    device = meta.block_tables.device
+    nb = -(-max(meta.seq_lens_cpu[b] for b in batch_idx) // block_size)
+    if batch_idx[-1] - batch_idx[0] + 1 == len(batch_idx):  # contiguous: views, no gathers
+        first, last = batch_idx[0], batch_idx[-1] + 1
+        rows: slice | torch.Tensor = slice(starts[first], starts[first] + len(batch_idx))
+        tables = meta.block_tables[first:last, :nb]
+        lens = meta.seq_lens[first:last]
+    else:
+        idx = torch.tensor(batch_idx, dtype=torch.int64, device=device)
+        rows = torch.tensor([starts[b] for b in batch_idx], dtype=torch.int64, device=device)
+        tables = meta.block_tables.index_select(0, idx)[:, :nb]
+        lens = meta.seq_lens.index_select(0, idx)
+    keys = torch.arange(nb * block_size, device=device)
+    mask = _additive(keys[None, :] < lens[:, None], dtype).view(len(batch_idx), 1, 1, -1)
+    return _DecodeGroup(rows, tables.reshape(-1).long(), mask, len(batch_idx))
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
@@ -168,22 +235,12 @@ def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> 
     device = meta.block_tables.device
     # A request with one new token is a "decode row" even if it ends a prompt: same maths.
     dec = [b for b, q in enumerate(q_lens) if q == 1]
-    rows: slice | torch.Tensor | None = None
-    block_ids = mask = None
+    groups = []
     if dec:
-        nb = -(-max(s_lens[b] for b in dec) // block_size)
-        if dec[-1] - dec[0] + 1 == len(dec):  # contiguous in batch order: views, no gathers
-            rows = slice(starts[dec[0]], starts[dec[0]] + len(dec))
-            tables = meta.block_tables[dec[0] : dec[-1] + 1, :nb]
-            lens = meta.seq_lens[dec[0] : dec[-1] + 1]
-        else:
-            idx = torch.tensor(dec, dtype=torch.int64, device=device)
-            rows = torch.tensor([starts[b] for b in dec], dtype=torch.int64, device=device)
-            tables = meta.block_tables.index_select(0, idx)[:, :nb]
-            lens = meta.seq_lens.index_select(0, idx)
-        block_ids = tables.reshape(-1).long()
-        keys = torch.arange(nb * block_size, device=device)
-        mask = _additive(keys[None, :] < lens[:, None], dtype).view(len(dec), 1, 1, -1)
+        nbs = [-(-s_lens[b] // block_size) for b in dec]
+        groups = [
+            _decode_group(meta, g, starts, block_size, dtype) for g in _split_by_length(dec, nbs)
+        ]
     chunks = []
     for b, q in enumerate(q_lens):
         if q <= 1:
@@ -200,7 +257,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> 
         )
         chunk_mask = _additive(allowed, dtype)
         chunks.append(_Chunk(starts[b], starts[b + 1], ids, seq, chunk_mask))
-    return _TorchPlan(rows, block_ids, mask, len(dec), chunks)
+    return _TorchPlan(groups, len(dec), chunks)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -242,11 +299,12 @@ def paged_attention(
     if not isinstance(plan, _TorchPlan):
         plan = meta.backend_state = _make_plan(meta, kv_cache.shape[2], q.dtype)
     t, hq, d = q.shape
-    if plan.num_decodes == t:  # pure decode step: the output is the decode result itself
-        return _decode(q, kv_cache, plan, scale).reshape(t, hq * d)
+    groups = plan.decode_groups
+    if plan.num_decodes == t and len(groups) == 1:  # pure decode, one group: its result is all
+        return _decode(q, kv_cache, groups[0], scale).reshape(t, hq * d)
     out = q.new_empty(t, hq, d)
-    if plan.num_decodes:
-        out[plan.decode_rows] = _decode(q[plan.decode_rows], kv_cache, plan, scale)
+    for g in groups:
+        out[g.rows] = _decode(q[g.rows], kv_cache, g, scale)
     for c in plan.chunks:
         qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         if c.block_ids is None:
@@ -263,14 +321,14 @@ def paged_attention(
 
 
 def _decode(
-    q: torch.Tensor, kv_cache: torch.Tensor, plan: _TorchPlan, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float
 ) -> torch.Tensor:
-    """All query-length-1 rows at once: one gather, one SDPA with a key-length mask."""
+    """A group of query-length-1 rows at once: one gather, one SDPA with a key-length mask."""
     bd, hq, d = q.shape
-    kv = _gather_kv(kv_cache, plan.decode_block_ids)  # [2, Bd * L, Hkv, D]
+    kv = _gather_kv(kv_cache, group.block_ids)  # [2, Bd * L, Hkv, D]
     kv = kv.view(2, bd, -1, kv.shape[2], d).transpose(2, 3)  # [2, Bd, Hkv, L, D]
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), kv[0], kv[1], attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
+        q.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask, scale=scale, enable_gqa=True
     )
     return o.reshape(bd, hq, d)
 
