@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -349,7 +350,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random add / schedule / update / abort against a small cache."""
+    """Random add / schedule / update / abort / clock ticks against a small cache, under every
+    registered policy (and an adversarial one), with priorities, deadlines and length hints."""
 
     @initialize(
         block_size=st.sampled_from([8, 16]),
@@ -358,16 +360,37 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 6),
         seed=st.integers(0, 2**16),
         random_policy=st.booleans(),
+        policy=st.sampled_from(available_policies()),
+        aging_bound_s=st.sampled_from([0.5, 5.0, math.inf]),
+        preemption_threshold=st.sampled_from([0.5, 1.0]),
+        preemption_cooldown_s=st.sampled_from([0.0, 1.0]),
     )
-    def setup(self, block_size, num_kv_blocks, budget, max_num_seqs, seed, random_policy):
+    def setup(
+        self,
+        block_size,
+        num_kv_blocks,
+        budget,
+        max_num_seqs,
+        seed,
+        random_policy,
+        policy,
+        aging_bound_s,
+        preemption_threshold,
+        preemption_cooldown_s,
+    ):
         self.config = EngineConfig(
+            scheduler=policy,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_model_len=num_kv_blocks * block_size,
+            aging_bound_s=aging_bound_s,
+            preemption_threshold=preemption_threshold,
+            preemption_cooldown_s=preemption_cooldown_s,
         )
-        self.sched = Scheduler(self.config)
+        self.now = 0.0
+        self.sched = Scheduler(self.config, clock=lambda: self.now)
         self.rng = random.Random(seed)
         self.policy: SchedulingPolicy = self.sched.policy
         if random_policy:
@@ -378,13 +401,34 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finish_events: Counter[str] = Counter()
         self.reported_finished: Counter[str] = Counter()
 
-    @rule(prompt_len=st.integers(1, 64), max_tokens=st.integers(1, 12), eos=st.booleans())
-    def add_request(self, prompt_len, max_tokens, eos):
+    @rule(
+        prompt_len=st.integers(1, 64),
+        max_tokens=st.integers(1, 12),
+        eos=st.booleans(),
+        priority=st.integers(0, 3),
+        deadline=st.none() | st.floats(0.5, 8.0),
+        length_hint=st.none() | st.integers(1, 12),
+    )
+    def add_request(self, prompt_len, max_tokens, eos, priority, deadline, length_hint):
         prompt_len = min(prompt_len, self.capacity)
         max_tokens = min(max_tokens, self.capacity - prompt_len + 1)  # the cache can hold it
-        req = make_request(f"r{len(self.added)}", prompt_len, max_tokens, 0 if eos else None)
+        params = SamplingParams(
+            max_tokens=max_tokens, priority=priority, deadline=deadline, length_hint=length_hint
+        )
+        req = Request(
+            f"r{len(self.added)}",
+            [100 + i for i in range(prompt_len)],
+            params,
+            max_tokens=max_tokens,
+            eos_token_id=0 if eos else None,
+            arrival_time=self.now,
+        )
         self.sched.add_request(req)
         self.added[req.request_id] = req
+
+    @rule(dt=st.floats(0.0, 2.0))
+    def advance_clock(self, dt):
+        self.now += dt
 
     @precondition(lambda self: self.pending is None)
     @rule()
@@ -408,8 +452,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.added[rid].status is RequestStatus.PREEMPTED
             assert rid not in out.num_scheduled_tokens
         for rid in out.finished_request_ids:
-            assert self.added[rid].is_finished
+            req = self.added[rid]
+            assert req.is_finished
             self.reported_finished[rid] += 1
+            if req.abort_reason is not None:  # its deadline passed inside this schedule()
+                assert req.status is RequestStatus.FINISHED_ABORTED
+                assert req.deadline_at <= self.now
+                self.finish_events[rid] += 1
+        # Nobody still queued is past its deadline.
+        assert all(r.deadline_at > self.now for r in [*self.sched.running, *self.sched.waiting])
         self.pending = out
 
     @precondition(lambda self: self.pending is not None)
@@ -469,11 +520,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched") or isinstance(self.policy, RandomPolicy):
             return
         # Progress: under FIFO the oldest running request is never the victim (unless alone,
-        # and then it fits), so each step brings it one token closer to its end.
+        # and then it fits), so each step brings it one token closer to its end. The other
+        # policies may preempt for waiting requests, but only for strictly better ones
+        # (priority; preemptive-sjf: shorter than every running one), so they do not cycle;
+        # each preemption costs at most a recompute of the victim.
         if self.pending is not None:
             self.update()
         open_reqs = [r for r in self.added.values() if not r.is_finished]
         limit = sum(r.num_prompt_tokens + r.max_tokens for r in open_reqs) + len(open_reqs) + 1
+        limit *= 1 if self.config.scheduler == "fifo" else 1 + len(open_reqs)
         for _ in range(limit):
             if not self.sched.has_unfinished_requests():
                 break
@@ -491,5 +546,5 @@ class SchedulerMachine(RuleBasedStateMachine):
 def test_random_workloads_keep_scheduler_invariants_and_finish_every_request():
     run_state_machine_as_test(
         SchedulerMachine,
-        settings=settings(max_examples=120, stateful_step_count=50, deadline=None),
+        settings=settings(max_examples=200, stateful_step_count=50, deadline=None),
     )

@@ -8,6 +8,8 @@ them from memory and the checkpoint before it builds the scheduler.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -30,6 +32,16 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    # Scheduling policy knobs (see core/policies.py). Times are seconds of the engine clock.
+    # sjf, preemptive-sjf, length-aware: a request that has waited this long since arrival is
+    # no longer overtaken by later arrivals (aging; inf turns aging off).
+    aging_bound_s: float = 10.0
+    # preemptive-sjf: a waiting request preempts a running one when its expected remaining
+    # output is at most this fraction of the running one's.
+    preemption_threshold: float = 0.5
+    # preemptive-sjf: a request is not preempted by the policy within this long of joining the
+    # batch, so it always makes progress between preemptions (no thrash).
+    preemption_cooldown_s: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -49,11 +61,28 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        _number("aging_bound_s", self.aging_bound_s, "> 0 (inf turns aging off)", lambda v: v > 0)
+        _number(
+            "preemption_threshold", self.preemption_threshold, "in (0, 1]", lambda v: 0 < v <= 1
+        )
+        _number(
+            "preemption_cooldown_s",
+            self.preemption_cooldown_s,
+            ">= 0 and finite",
+            lambda v: 0 <= v < math.inf,
+        )
 
 
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _number(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}.")
+    if not ok(value):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}.")
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

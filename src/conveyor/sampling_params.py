@@ -20,6 +20,11 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k` of -1 or 0 disables top-k, `top_p == 1` and
     `min_p == 0` disable theirs. `stop` strings are matched on the detokenized text and are
     not part of the returned text; `stop_token_ids` end the request when sampled.
+
+    Scheduling fields (read by core/policies, never by the sampler): `priority` (lower runs
+    first under the `priority` scheduler), `deadline` (seconds from arrival; a request still
+    unfinished then ends with finish_reason "abort" and an `abort_reason`), `length_hint`
+    (expected output tokens, used instead of `max_tokens` by the SJF-family schedulers).
     """
 
     n: int = 1
@@ -40,6 +45,8 @@ class SamplingParams:
     priority: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    deadline: float | None = None
+    length_hint: int | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -79,6 +86,15 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         _check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
+        if self.deadline is not None:
+            _check_float(
+                "deadline",
+                self.deadline,
+                "must be a positive, finite number of seconds from arrival",
+                lambda v: 0 < v < float("inf"),
+            )
+        if self.length_hint is not None:
+            _check_int("length_hint", self.length_hint, lo=1)
         for s in self.stop_strings:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}.")

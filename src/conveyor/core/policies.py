@@ -1,11 +1,11 @@
 """Scheduling policies: which waiting request goes first and which running one yields.
 
-The scheduler owns the mechanics (token budget, blocks, chunking, preemption by recompute);
-a policy only makes the choices. A new policy is one class and one registry line:
+The scheduler owns the mechanics (token budget, blocks, chunking, preemption by recompute,
+deadlines); a policy only makes the choices. A new policy is one class and one registry line:
 
     @register_policy
-    class ShortestJobFirst(SchedulingPolicy):
-        name = "sjf"
+    class ShortestPromptFirst(SchedulingPolicy):
+        name = "shortest-prompt"
 
         def order_waiting(self, waiting, now, running=()):
             return sorted(waiting, key=lambda r: (r.num_prompt_tokens, r.arrival_time))
@@ -15,16 +15,36 @@ Hooks and their defaults (override only what the policy changes):
     select_victim      whom to preempt when blocks run out             most recently admitted
     may_admit          whether this step admits at all                 always
     select_preemptions running requests to preempt for waiting ones    none
+
+The built-in policies (knobs are EngineConfig fields):
+    fifo            arrival order; preempted requests resume first
+    sjf             least expected remaining output first (length_hint or max_tokens), with
+                    aging: after `aging_bound_s` no later arrival overtakes a request
+    preemptive-sjf  sjf, and when the batch or the KV cache is full a waiting request whose
+                    remaining output is at most `preemption_threshold` x the longest running
+                    one's (and that would end before any running one) preempts it; nobody is
+                    preempted within `preemption_cooldown_s` of joining the batch or once
+                    overdue                                             (policies_sjf.py)
+    length-aware    alternates short and long requests to keep the running batch's mean
+                    remaining length near the queue's mean, with sjf's aging (policies_sjf.py)
+    priority        lower `priority` value first, then earliest deadline, then arrival; a
+                    waiting request preempts strictly lower-priority running ones when the
+                    batch or the KV cache is full
+    static          the baseline: a batch of up to max_num_seqs requests is formed in arrival
+                    order and nobody joins until its last member ends
+Preemption is always by recompute, so it never changes a request's output.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
 from conveyor.config import EngineConfig
-from conveyor.core.request import Request
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.request import Request, RequestStatus
 
 
 class SchedulingPolicy(ABC):
@@ -32,11 +52,14 @@ class SchedulingPolicy(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
         """Args:
         config: the engine config; a policy copies the knobs it needs.
+        block_manager: the scheduler's KV blocks (read-only here), so that preemptive
+            policies can tell a full cache; None when the policy is used on its own.
         """
         self.max_num_seqs = config.max_num_seqs
+        self.block_manager = block_manager
 
     @abstractmethod
     def order_waiting(
@@ -49,7 +72,7 @@ class SchedulingPolicy(ABC):
 
         Args:
             waiting: the waiting queue in queue order (do not mutate).
-            now: `time.monotonic()` of this step, for age-based policies.
+            now: the scheduler clock of this step, for age- and deadline-based policies.
             running: the running requests (admission order), for batch-aware policies.
         Returns:
             The requests to try to admit, in order; the scheduler stops at the first one
@@ -80,12 +103,62 @@ class SchedulingPolicy(ABC):
 
         Used by preemptive policies (a short job displacing a long one). Unlike preemption
         for lack of blocks, these do not stop the step from admitting new requests.
-        Called only while requests are waiting.
+        Called only while requests are waiting and running.
 
         Returns:
             Elements of `running` to preempt; none by default.
         """
         return []
+
+    def _plan_preemptions(
+        self,
+        candidates: Sequence[Request],
+        victims: Sequence[Request],
+        running: Sequence[Request],
+        outranks: Callable[[Request, Request], bool],
+    ) -> list[Request]:
+        """Victims to preempt so that the candidates, in order, find a seat and KV blocks.
+
+        Walks the candidates (the admission order) while each still fits: a free seat
+        (`max_num_seqs`) and enough free blocks for its known tokens. One that does not fit
+        takes victims, worst first, while it `outranks` them; if it still does not fit, the
+        plan stops there (admission is in order: nobody behind it may pass).
+
+        Blocks are estimated: free blocks, less what the running requests need to cover their
+        known tokens this step, plus what each victim gives back.
+
+        Args:
+            candidates: waiting requests in admission order.
+            victims: running requests that may be preempted, worst first.
+            running: all running requests.
+            outranks: (candidate, victim) -> whether the candidate may displace the victim.
+        Returns:
+            The victims to preempt, a prefix of `victims`.
+        """
+        bm = self.block_manager
+
+        def held(r: Request) -> int:
+            return 0 if bm is None else len(bm.block_tables.get(r.request_id, ()))
+
+        def growth(r: Request) -> int:  # blocks r still needs to cover its known tokens
+            return 0 if bm is None else max(0, bm.num_blocks_for(r.num_tokens) - held(r))
+
+        seats = self.max_num_seqs - len(running)
+        free = math.inf if bm is None else bm.num_free_blocks - sum(map(growth, running))
+        chosen: list[Request] = []
+        v = 0
+        for cand in candidates:
+            need = 0 if bm is None else bm.num_blocks_for(cand.num_tokens)
+            s, f, j = seats, free, v
+            while (s < 1 or f < need) and j < len(victims) and outranks(cand, victims[j]):
+                s += 1
+                f += held(victims[j]) + growth(victims[j])
+                j += 1
+            if s < 1 or f < need:
+                break
+            chosen.extend(victims[v:j])
+            seats, free, v = s - 1, f - need, j
+        return chosen
 
 
 _POLICIES: dict[str, type[SchedulingPolicy]] = {}
@@ -109,9 +182,15 @@ def available_policies() -> list[str]:
     return sorted(_POLICIES)
 
 
-def make_policy(name: str, config: EngineConfig) -> SchedulingPolicy:
+def make_policy(
+    name: str, config: EngineConfig, block_manager: BlockManager | None = None
+) -> SchedulingPolicy:
     """Build the policy registered as `name`.
 
+    Args:
+        name: a registered policy name (`available_policies()`).
+        config: the engine config, for the policy's knobs.
+        block_manager: the scheduler's KV blocks, for policies that preempt when it is full.
     Raises:
         ValueError: no policy has that name (the message lists the registered ones).
     """
@@ -120,7 +199,12 @@ def make_policy(name: str, config: EngineConfig) -> SchedulingPolicy:
         raise ValueError(
             f"unknown scheduler {name!r}; choose one of: {', '.join(available_policies())}."
         )
-    return cls(config)
+    return cls(config, block_manager)
+
+
+def priority_key(req: Request) -> tuple[int, float, float]:
+    """Lower sorts first: priority value, then earliest deadline, then arrival."""
+    return (req.sampling_params.priority, req.deadline_at, req.arrival_time)
 
 
 @register_policy
@@ -133,3 +217,73 @@ class FifoPolicy(SchedulingPolicy):
         self, waiting: Sequence[Request], now: float, running: Sequence[Request] = ()
     ) -> list[Request]:
         return list(waiting)
+
+
+@register_policy
+class PriorityPolicy(SchedulingPolicy):
+    """Lower `priority` value first (ties: earliest deadline, then arrival).
+
+    Unlike vLLM (vllm#40004), a waiting request also displaces running requests of strictly
+    lower priority (higher value) when the batch or the KV cache is full; equal priorities
+    never preempt each other, so there is no thrash. Blocks running out preempt the
+    lowest-priority running request too.
+    """
+
+    name = "priority"
+
+    def order_waiting(
+        self, waiting: Sequence[Request], now: float, running: Sequence[Request] = ()
+    ) -> list[Request]:
+        return sorted(waiting, key=priority_key)
+
+    def select_victim(self, running: list[Request]) -> Request:
+        # Reversed: among equal keys, the most recently admitted yields.
+        return max(reversed(running), key=priority_key)
+
+    def select_preemptions(
+        self, running: Sequence[Request], waiting: Sequence[Request], now: float
+    ) -> list[Request]:
+        best = min(r.sampling_params.priority for r in waiting)
+        if best >= max(r.sampling_params.priority for r in running):
+            return []  # Nobody waiting outranks anybody running: the common case, O(n).
+        victims = sorted(reversed(running), key=priority_key, reverse=True)
+        return self._plan_preemptions(
+            self.order_waiting(waiting, now), victims, running, lambda c, v: c.priority < v.priority
+        )
+
+
+@register_policy
+class StaticBatchPolicy(SchedulingPolicy):
+    """The baseline: a fixed batch is admitted together; nobody joins until it has ended.
+
+    When nothing of the previous batch is left, the first `max_num_seqs` waiting requests (in
+    queue order) become the batch. Only its members are admitted (over several steps if the
+    token budget or the blocks say so), and the batch ends when its last member finishes.
+    """
+
+    name = "static"
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
+        super().__init__(config, block_manager)
+        self._batch: list[Request] = []
+
+    def _batch_over(self) -> bool:
+        return all(r.is_finished for r in self._batch)
+
+    def may_admit(self, running: Sequence[Request]) -> bool:
+        # Admit while the batch is over (a new one forms) or members still wait for a seat.
+        waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        return self._batch_over() or any(r.status in waiting for r in self._batch)
+
+    def order_waiting(
+        self, waiting: Sequence[Request], now: float, running: Sequence[Request] = ()
+    ) -> list[Request]:
+        if self._batch_over():
+            self._batch = list(waiting)[: self.max_num_seqs]
+            return list(self._batch)
+        members = {id(r) for r in self._batch}
+        return [r for r in waiting if id(r) in members]
+
+
+# The SJF family lives in its own module (one noun per module); importing it registers it.
+from conveyor.core import policies_sjf as _policies_sjf  # noqa: E402,F401

@@ -15,6 +15,7 @@ token is sampled when a step brings `num_computed_tokens` up to `num_tokens`.
 from __future__ import annotations
 
 import enum
+import math
 import time
 
 from conveyor.sampling_params import SamplingParams
@@ -49,7 +50,10 @@ class Request:
     """A single sequence being generated (a request with n > 1 becomes n of these)."""
 
     __slots__ = (
+        "abort_reason",
+        "admitted_at",
         "arrival_time",
+        "deadline_at",
         "eos_token_id",
         "max_tokens",
         "num_computed_tokens",
@@ -82,12 +86,20 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Absolute time (arrival clock) after which the request is aborted; inf if none.
+        deadline = sampling_params.deadline
+        self.deadline_at = math.inf if deadline is None else self.arrival_time + deadline
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         # The token id or stop string that ended the request, as vLLM reports it.
         self.stop_reason: int | str | None = None
+        # Why the engine aborted it (e.g. its deadline passed); None for a caller's abort.
+        self.abort_reason: str | None = None
+        # Scheduler clock time at which it last joined `running` (None while never admitted);
+        # preemptive policies leave a request alone for a cooldown after this.
+        self.admitted_at: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,6 +120,12 @@ class Request:
     @property
     def priority(self) -> int:
         return self.sampling_params.priority
+
+    @property
+    def expected_output_tokens(self) -> int:
+        """Output length the scheduler plans with: `length_hint` if given, else `max_tokens`."""
+        hint = self.sampling_params.length_hint
+        return self.max_tokens if hint is None else min(hint, self.max_tokens)
 
     @property
     def is_finished(self) -> bool:

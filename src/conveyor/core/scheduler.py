@@ -12,13 +12,21 @@ prefill), a decoding request gets 1, and a preempted request recomputes everythi
     When a running request cannot get a block, the policy's victim (by default the most
     recently admitted) is preempted: blocks freed, num_computed_tokens = 0, re-queued at the
     front of waiting. A step that preempted for lack of blocks admits nothing new.
+
+Deadlines: a request with `sampling_params.deadline` that is still unfinished when a step
+starts at or after `arrival_time + deadline` is aborted there, waiting or running: status
+FINISHED_ABORTED, `abort_reason` set, blocks freed at once, reported in finished_request_ids.
+The clock is `time.monotonic` (the engine's arrival clock) unless a simulator passes its own.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from conveyor.config import EngineConfig
@@ -56,9 +64,11 @@ class Scheduler:
     `len(running) <= max_num_seqs`; finished requests hold no blocks.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         """Args:
         config: engine config with `num_kv_blocks` and `max_model_len` already resolved.
+        clock: seconds, on the same clock as the requests' `arrival_time`; read once per
+            step for aging, cooldowns and deadlines (a simulator passes simulated time).
         """
         if config.num_kv_blocks is None or config.max_model_len is None:
             raise ValueError(
@@ -67,7 +77,8 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
-        self.policy = make_policy(config.scheduler, config)
+        self.policy = make_policy(config.scheduler, config, self.block_manager)
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Unfinished requests by id, for finish_requests().
@@ -75,6 +86,10 @@ class Scheduler:
         self.num_preemptions = 0
         # Finished since the previous schedule(); handed over in its output.
         self._finished_ids: list[str] = []
+        # (deadline_at, tie-breaker, request) of requests with a deadline; finished ones are
+        # dropped lazily when they reach the top.
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadline_seq = itertools.count()
 
     @property
     def num_waiting(self) -> int:
@@ -114,6 +129,9 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        deadline_at = request.deadline_at
+        if deadline_at != math.inf:
+            heapq.heappush(self._deadlines, (deadline_at, next(self._deadline_seq), request))
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks.
@@ -130,7 +148,9 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         preempted_ids: list[str] = []
         running = self.running
-        now = time.monotonic()
+        now = self.clock()
+        if self._deadlines and self._deadlines[0][0] <= now:
+            self._expire_deadlines(now)
 
         if self.waiting and running:
             for victim in self.policy.select_preemptions(running, self.waiting, now):
@@ -214,6 +234,7 @@ class Scheduler:
             if not self.block_manager.allocate_slots(req, n):
                 break
             req.status = RequestStatus.RUNNING
+            req.admitted_at = now
             running.append(req)
             admitted.append(req)
             scheduled.append(req)
@@ -231,6 +252,20 @@ class Scheduler:
                 waiting.clear()
                 waiting.extend(kept)
         return budget
+
+    def _expire_deadlines(self, now: float) -> None:
+        """Abort every unfinished request whose deadline is at or before `now`."""
+        heap = self._deadlines
+        expired: list[str] = []
+        while heap and heap[0][0] <= now:
+            _, _, req = heapq.heappop(heap)
+            if not req.is_finished:
+                req.abort_reason = (
+                    f"deadline exceeded: not finished {req.sampling_params.deadline:g} s "
+                    "after arrival"
+                )
+                expired.append(req.request_id)
+        self.finish_requests(expired, RequestStatus.FINISHED_ABORTED)
 
     def _preempt(self, req: Request, index: int, preempted_ids: list[str]) -> None:
         """Recompute-preempt running[index] (== req): free blocks, re-queue at the front."""
