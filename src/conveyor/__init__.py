@@ -9,16 +9,25 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 _LAZY = {
     "LLM": "conveyor.llm",
+    "AsyncLLM": "conveyor.async_engine",
     "SamplingParams": "conveyor.sampling_params",
     "RequestOutput": "conveyor.outputs",
     "CompletionOutput": "conveyor.outputs",
 }
 
 if TYPE_CHECKING:
+    from conveyor.async_engine import AsyncLLM
     from conveyor.llm import LLM
     from conveyor.outputs import CompletionOutput, RequestOutput
     from conveyor.sampling_params import SamplingParams

@@ -64,9 +64,158 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API (demo model without --model)",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics, /tokenize and /detokenize. Settings come from the built-in defaults, then "
+        "--config FILE, then these flags. SIGTERM or Ctrl-C stops admitting requests, lets "
+        "in-flight ones finish for --shutdown-timeout seconds, then aborts the rest.",
+    )
+    # Every default is None: an unset flag leaves the config file's value (or the default).
+    add = parser.add_argument
+    add("--model", help="HF checkpoint folder (default: the embedded demo model)")
+    add("--config", metavar="FILE", type=Path, help="YAML settings, e.g. configs/demo.yaml")
+    add("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    add("--port", type=int, help="port (default 8000)")
+    add("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${_API_KEY_ENV})")
+    add("--served-model-name", metavar="NAME", help="model name clients send")
+    add("--scheduler", metavar="NAME", help="scheduling policy (default fifo)")
+    add("--max-num-seqs", type=int, metavar="N", help="max requests per step (default 64)")
+    add("--max-num-batched-tokens", type=int, metavar="N", help="token budget per step")
+    add("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
+    add("--num-kv-blocks", type=int, metavar="N", help="KV blocks (default: from memory)")
+    add("--kv-cache-space-gb", type=float, metavar="GB", help="KV memory if no block count")
+    add("--max-model-len", type=int, metavar="N", help="cap on prompt + output tokens")
+    add("--tokenizer", metavar="DIR", help="tokenizer folder (default: the model's)")
+    add("--dtype", help="auto, float32, float16 or bfloat16")
+    add("--device", help="auto, cpu or cuda")
+    add("--attention-backend", metavar="NAME", help="auto, torch or triton")
+    add("--seed", type=int, help="engine seed for requests without their own")
+    add("--shutdown-timeout", type=float, metavar="S", help="grace period on SIGTERM (10)")
+    add("--log-level", help="critical, error, warning, info (default) or debug")
+    add("--log-stats-interval", type=float, metavar="S", help="stats log period (5; 0: off)")
+    parser.set_defaults(func=_serve)
+
+
+_API_KEY_ENV = "CONVEYOR_API_KEY"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from conveyor.server.config import build_serve_config
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
+    engine_config, server_config = build_serve_config(args.config, flags)
+    from conveyor.server.launch import run_server
+
+    return run_server(engine_config, server_config)
+
+
+def _add_simulate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "simulate",
+        help="replay a request trace under scheduling policies with a step-cost model",
+        description="Replay a trace (--trace FILE, JSON or CSV) or a named synthetic workload "
+        "through the real scheduler and KV block manager, with a step-cost model in place of "
+        "the model (no weights), and print iterations, batch size, utilization, throughput, "
+        "TTFT and e2e latency percentiles and preemptions per policy.",
+    )
+    add = parser.add_argument
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--trace", type=Path, metavar="FILE", help="JSON or CSV trace file")
+    source.add_argument(
+        "--workload",
+        default="exponential",
+        help="exponential (default), uniform, lognormal, bimodal, fixed, or the guide's "
+        "examples guide-static / guide-continuous (1 s steps, max batch 4 unless given)",
+    )
+    add("--num-requests", type=int, default=1000, metavar="N", help="synthetic requests")
+    add("--rate", type=float, default=float("inf"), help="Poisson arrivals/s (default: all at 0)")
+    add("--prompt-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    add("--mean-output", type=float, default=64.0, metavar="N", help="mean output tokens")
+    add("--max-output", type=int, default=1024, metavar="N", help="output length cap")
+    add("--seed", type=int, default=0, help="workload seed")
+    add("--scheduler", default="all", metavar="NAMES", help="a policy, a,b,c, or all (default)")
+    add("--max-num-seqs", type=int, metavar="N", help="max batch size (default 32)")
+    add("--max-num-batched-tokens", type=int, default=2048, metavar="N")
+    add("--block-size", type=int, default=16, metavar="N")
+    add("--num-kv-blocks", type=int, metavar="N", help="default: no KV pressure")
+    add("--aging-bound-s", type=float, metavar="S", help="sjf family aging bound")
+    add("--preemption-threshold", type=float, metavar="F", help="preemptive-sjf threshold")
+    add("--preemption-cooldown-s", type=float, metavar="S", help="preemptive-sjf cooldown")
+    add("--step-base-s", type=float, metavar="S", help="step cost: fixed seconds per step")
+    add("--step-per-token-s", type=float, metavar="S", help="step cost: seconds per token")
+    add("--step-per-seq-s", type=float, metavar="S", help="step cost: seconds per request")
+    add("--output", type=Path, metavar="FILE", help="write summaries + timelines as JSON")
+    add("--steps", action="store_true", help="also write per-step series to --output")
+    parser.set_defaults(func=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from conveyor.config import EngineConfig
+    from conveyor.core.policies import available_policies
+    from conveyor.simulator import StepCost, format_table, simulate
+    from conveyor.trace import GUIDE_WORKLOADS, load_trace, synthetic_trace
+
+    guide = args.trace is None and args.workload in GUIDE_WORKLOADS
+    if args.trace is not None:
+        trace = load_trace(args.trace)
+    else:
+        trace = synthetic_trace(
+            args.workload,
+            args.num_requests,
+            rate=args.rate,
+            prompt_len=tuple(args.prompt_len),
+            mean_output=args.mean_output,
+            max_output=args.max_output,
+            seed=args.seed,
+        )
+    names = available_policies() if args.scheduler == "all" else args.scheduler.split(",")
+    knobs = {
+        k: getattr(args, k)
+        for k in ("aging_bound_s", "preemption_threshold", "preemption_cooldown_s")
+        if getattr(args, k) is not None
+    }
+    step_cost = {
+        k: getattr(args, f"step_{k}")
+        for k in ("base_s", "per_token_s", "per_seq_s")
+        if getattr(args, f"step_{k}") is not None
+    }
+    if guide and not step_cost:
+        step_cost = {"base_s": 1.0, "per_token_s": 0.0}  # the guide counts in steps
+    cost = StepCost(**step_cost)
+    max_num_seqs = args.max_num_seqs or (4 if guide else 32)
+    reports = {}
+    for name in names:
+        config = EngineConfig(
+            scheduler=name.strip(),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            **knobs,
+        )
+        reports[config.scheduler] = simulate(trace, config, cost)
+    print(
+        f"{len(trace)} requests, max batch {max_num_seqs}, step cost {cost.base_s:g} s + "
+        f"{cost.per_token_s:g} s/token + {cost.per_seq_s:g} s/request"
+    )
+    print(format_table([r.summary() for r in reports.values()]))
+    if args.output is not None:
+        data = {name: r.to_dict(timelines=True, steps=args.steps) for name, r in reports.items()}
+        args.output.write_text(json.dumps(data, indent=1))
+        print(f"wrote {args.output}")
+    return 0
+
+
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_demo_model,
     _add_generate,
+    _add_serve,
+    _add_simulate,
 )
 
 

@@ -3,6 +3,8 @@
 The engine owns the tokenizer, the scheduler (core/) and the model runner (model/), and keeps
 per-sequence text state (incremental detokenizer, logprobs). A request with n > 1 fans out
 into n sequences `"{request_id}#{i}"` that are scheduled independently and reported together.
+A request added with `delta=True` reports only what is new since its previous output (AsyncLLM
+streams these); otherwise outputs are cumulative.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from conveyor.core.request import Request, RequestStatus
 from conveyor.core.scheduler import Scheduler
 from conveyor.model.runner import ModelRunner
 from conveyor.model.sampler import TokenLogprobs
-from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
+from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -33,8 +35,9 @@ class _Sequence:
     index: int
     detokenizer: IncrementalDetokenizer
     text: str = ""  # text handed out so far (never contains a partial stop string)
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # not yet reported ones, if delta
     cumulative_logprob: float | None = None
+    num_sent_tokens: int = 0  # output tokens already reported (delta outputs)
 
 
 @dataclass(slots=True)
@@ -43,6 +46,8 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     stream: bool
+    delta: bool
+    metrics: RequestMetrics
     seqs: list[_Sequence] = field(default_factory=list)
 
     @property
@@ -68,6 +73,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}
+        # What the current step scheduled (None until schedule() returned), for abort_step().
+        self._step_scheduled: list[Request] | None = None
+        self.last_step_num_tokens = 0  # tokens the latest step computed (prefill + decode)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -78,6 +86,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         stream: bool = False,
         prompt_token_ids: list[int] | None = None,
+        delta: bool = False,
     ) -> None:
         """Queue a request.
 
@@ -85,6 +94,8 @@ class LLMEngine:
             prompt: text (tokenized here unless `prompt_token_ids` is given) or token ids.
             stream: report the request after every step that changes it; otherwise only
                 when it finishes.
+            delta: each output holds only the text, tokens and logprobs that are new since
+                the request's previous output (cumulative_logprob stays cumulative).
         Raises:
             ValueError: a duplicate id, an empty or invalid prompt, or a prompt that can
                 never fit the model's context or the whole KV cache.
@@ -98,8 +109,10 @@ class LLMEngine:
             prompt_text, prompt_ids = None, list(prompt)
         max_tokens = self.check_prompt(prompt_ids, params)
         params = self._with_generation_eos(params)
-        parent = _Parent(request_id, prompt_text, prompt_ids, stream)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        parent = _Parent(
+            request_id, prompt_text, prompt_ids, stream, delta, RequestMetrics(arrival)
+        )
         for i in range(params.n):
             seq_params = params
             if params.n > 1 and params.seed is not None:
@@ -186,9 +199,27 @@ class LLMEngine:
             self.scheduler.finish_requests(
                 [s.request.request_id for s in parent.seqs], RequestStatus.FINISHED_ABORTED
             )
+            parent.metrics.finished_time = time.monotonic()
             outputs.append(self._make_output(parent))
             self._forget(parent)
         return outputs
+
+    def abort_step(self) -> list[RequestOutput]:
+        """After `step()` raised: abort the requests that step scheduled, so the engine can
+        keep serving the others. If it failed before scheduling anything, every request is
+        aborted (the scheduler's state is suspect).
+
+        Returns:
+            the final output (finish_reason "abort") of each aborted request.
+        """
+        scheduled, self._step_scheduled = self._step_scheduled, None
+        if scheduled is None:
+            ids = list(self._parents)
+        else:
+            seqs = self._seqs
+            parents = (seqs[r.request_id].parent_id for r in scheduled if r.request_id in seqs)
+            ids = list(dict.fromkeys(parents))
+        return self.abort_request(ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -204,14 +235,24 @@ class LLMEngine:
             one RequestOutput per streaming request that changed and per request that
             finished in this step.
         """
+        self._step_scheduled = None
         sched_out = self.scheduler.schedule()
+        self._step_scheduled = sched_out.scheduled
+        self.last_step_num_tokens = sched_out.total_num_scheduled_tokens
         self.runner.remove_requests(sched_out.finished_request_ids)
+        expired = self._report_finished_by_scheduler(sched_out.finished_request_ids)
         if sched_out.total_num_scheduled_tokens == 0:
-            return []
+            return expired
+        now = time.monotonic()
+        for req in sched_out.scheduled:
+            if req.num_computed_tokens == 0:  # admitted now (or recomputing after preemption)
+                m = self._parents[self._seqs[req.request_id].parent_id].metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
         sampled, sampler_out = self.runner.execute(sched_out)
         if sampler_out is None:
             self.scheduler.update_from_output(sched_out, {})
-            return []
+            return expired
         tokens = {r.request_id: t for r, t in zip(sampled, sampler_out.token_ids, strict=True)}
         logprobs = dict(zip(tokens, sampler_out.logprobs, strict=True))
         updated = self.scheduler.update_from_output(sched_out, tokens)
@@ -222,13 +263,33 @@ class LLMEngine:
             self._update_sequence(seq, tokens[req.request_id], logprobs[req.request_id])
             parent = self._parents[seq.parent_id]
             touched[parent.request_id] = parent
-        outputs = []
+        outputs = expired
+        now = time.monotonic()
         for parent in touched.values():
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
             if parent.finished:
+                parent.metrics.finished_time = now
                 outputs.append(self._make_output(parent))
                 self._forget(parent)
             elif parent.stream:
                 outputs.append(self._make_output(parent))
+        return outputs
+
+    def _report_finished_by_scheduler(self, finished_ids: list[str]) -> list[RequestOutput]:
+        """Final outputs of requests the scheduler ended by itself (their deadline passed).
+
+        Requests finished by a step or by `abort_request` were reported and forgotten then;
+        whatever is still known and finished here ended inside `schedule()`.
+        """
+        outputs = []
+        for rid in finished_ids:
+            seq = self._seqs.get(rid)
+            parent = None if seq is None else self._parents.get(seq.parent_id)
+            if parent is not None and parent.finished:
+                parent.metrics.finished_time = time.monotonic()
+                outputs.append(self._make_output(parent))
+                self._forget(parent)
         return outputs
 
     def _update_sequence(self, seq: _Sequence, token_id: int, lp: TokenLogprobs | None) -> None:
@@ -257,24 +318,37 @@ class LLMEngine:
         return out
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=s.index,
-                text=s.text,
-                token_ids=list(s.request.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.request.status.finish_reason,
-                stop_reason=s.request.stop_reason,
-            )
-            for s in parent.seqs
-        ]
+        completions = [self._make_completion(s, parent.delta) for s in parent.seqs]
         return RequestOutput(
             parent.request_id,
             parent.prompt,
             parent.prompt_token_ids,
             completions,
             finished=parent.finished,
+            metrics=parent.metrics,
+        )
+
+    @staticmethod
+    def _make_completion(s: _Sequence, delta: bool) -> CompletionOutput:
+        token_ids = s.request.output_token_ids
+        if delta:  # hand over what is new and start collecting afresh
+            text, s.text = s.text, ""
+            token_ids, s.num_sent_tokens = token_ids[s.num_sent_tokens :], len(token_ids)
+            logprobs = s.logprobs
+            if logprobs is not None:
+                s.logprobs = []
+        else:
+            text, token_ids = s.text, list(token_ids)
+            logprobs = list(s.logprobs) if s.logprobs is not None else None
+        return CompletionOutput(
+            index=s.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=s.request.status.finish_reason,
+            stop_reason=s.request.stop_reason,
+            abort_reason=s.request.abort_reason,
         )
 
     def _forget(self, parent: _Parent) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -29,17 +30,31 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Why the engine aborted it, e.g. "deadline exceeded: ..."; None unless it did.
+    abort_reason: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """When a request passed each milestone, in `time.monotonic()` seconds (None: not yet)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request after an engine step.
 
-    `outputs` hold cumulative text and tokens; `finished` turns True once every one of the n
-    sequences has ended. `error` is set when the request failed inside the engine.
+    `outputs` hold cumulative text and tokens, or only what is new since the request's
+    previous output for a request added with `delta=True` (AsyncLLM); `finished` turns True
+    once every one of the n sequences has ended. `error` is set when the request failed
+    inside the engine.
     """
 
     request_id: str
@@ -48,3 +63,35 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None
+    metrics: RequestMetrics | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        """Fold a later delta output of the same request into this one (like vLLM's `add`).
+
+        Args:
+            delta: the next output of this request; its text, tokens and logprobs are
+                appended, its finish state and cumulative logprob replace ours.
+        """
+        by_index = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                logprobs = None if new.logprobs is None else list(new.logprobs)
+                self.outputs.append(
+                    dataclasses.replace(new, token_ids=list(new.token_ids), logprobs=logprobs)
+                )
+                continue
+            old.text += new.text
+            old.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                if old.logprobs is None:
+                    old.logprobs = []
+                old.logprobs.extend(new.logprobs)
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason = new.finish_reason
+            old.stop_reason = new.stop_reason
+            old.abort_reason = new.abort_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = delta.finished
+        self.error = delta.error
+        self.metrics = delta.metrics

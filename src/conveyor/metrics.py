@@ -1,0 +1,221 @@
+"""Prometheus metrics and the periodic stats log line of one AsyncLLM.
+
+Names follow vLLM's with the prefix `conveyor:` (so dashboards built for vLLM carry over), and
+every series has a `model_name` label. Each EngineMetrics owns its CollectorRegistry, so several
+engines (or apps in one test process) never clash on the global registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from conveyor.outputs import RequestOutput
+
+logger = logging.getLogger("conveyor.stats")
+
+# vLLM's buckets, with finer low ends: on CPU a decode step of a small model takes a few ms.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineMetrics:
+    """The engine's Prometheus series plus a throughput log line every `log_interval_s`."""
+
+    def __init__(self, model_name: str, log_interval_s: float = 5.0) -> None:
+        """Args:
+        model_name: the `model_name` label value (the served model name).
+        log_interval_s: seconds between stats log lines while busy; <= 0 disables them.
+        """
+        self.registry = CollectorRegistry()
+        reg, name = self.registry, ["model_name"]
+
+        def labeled(metric: Gauge | Counter | Histogram) -> Gauge | Counter | Histogram:
+            return metric.labels(model_name)
+
+        self.running = labeled(
+            Gauge("conveyor:num_requests_running", "Requests in the batch.", name, registry=reg)
+        )
+        self.waiting = labeled(
+            Gauge("conveyor:num_requests_waiting", "Requests waiting to run.", name, registry=reg)
+        )
+        self.kv_usage = labeled(
+            Gauge("conveyor:kv_cache_usage_perc", "KV cache usage, 1 = full.", name, registry=reg)
+        )
+        self.prompt_tokens = labeled(
+            Counter("conveyor:prompt_tokens", "Prefilled prompt tokens.", name, registry=reg)
+        )
+        self.generation_tokens = labeled(
+            Counter("conveyor:generation_tokens", "Generated tokens.", name, registry=reg)
+        )
+        self.preemptions = labeled(
+            Counter("conveyor:num_preemptions", "Preemptions (recompute).", name, registry=reg)
+        )
+        self._success = Counter(
+            "conveyor:request_success",
+            "Finished sequences by finish reason.",
+            [*name, "finished_reason"],
+            registry=reg,
+        )
+        self._model_name = model_name
+        self.ttft = labeled(
+            Histogram(
+                "conveyor:time_to_first_token_seconds",
+                "Arrival to first token.",
+                name,
+                registry=reg,
+                buckets=_TTFT_BUCKETS,
+            )
+        )
+        self.itl = labeled(
+            Histogram(
+                "conveyor:inter_token_latency_seconds",
+                "Time between consecutive tokens of a request.",
+                name,
+                registry=reg,
+                buckets=_ITL_BUCKETS,
+            )
+        )
+        self.e2e = labeled(
+            Histogram(
+                "conveyor:e2e_request_latency_seconds",
+                "Arrival to finish.",
+                name,
+                registry=reg,
+                buckets=_REQUEST_BUCKETS,
+            )
+        )
+        self.queue_time = labeled(
+            Histogram(
+                "conveyor:request_queue_time_seconds",
+                "Arrival to first scheduled.",
+                name,
+                registry=reg,
+                buckets=_REQUEST_BUCKETS,
+            )
+        )
+        self.step_tokens = labeled(
+            Histogram(
+                "conveyor:iteration_tokens_total",
+                "Tokens computed per engine step (prefill + decode).",
+                name,
+                registry=reg,
+                buckets=_STEP_TOKEN_BUCKETS,
+            )
+        )
+        self._log_interval = log_interval_s
+        self._last_log = time.monotonic()
+        self._prompt_total = self._generation_total = 0
+        self._logged_prompt = self._logged_generation = 0
+        self._num_preemptions = 0
+        self._state = (0, 0, 0.0)  # running, waiting, kv usage
+
+    def record_step(
+        self,
+        num_tokens: int,
+        num_running: int,
+        num_waiting: int,
+        kv_usage: float,
+        num_preemptions: int,
+    ) -> None:
+        """Record one engine step (num_tokens == 0: only refresh the gauges).
+
+        Args:
+            num_tokens: tokens the step computed.
+            num_running, num_waiting, kv_usage: the scheduler's state after the step.
+            num_preemptions: the scheduler's cumulative preemption count.
+        """
+        if num_tokens:
+            self.step_tokens.observe(num_tokens)
+        if num_preemptions > self._num_preemptions:
+            self.preemptions.inc(num_preemptions - self._num_preemptions)
+            self._num_preemptions = num_preemptions
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+        self._state = (num_running, num_waiting, kv_usage)
+
+    def record_output(
+        self,
+        out: RequestOutput,
+        num_prompt_tokens: int,
+        last_token_time: float | None,
+        now: float,
+    ) -> float | None:
+        """Account one delta output of a request.
+
+        Args:
+            out: the delta (its token ids are the new ones; `out.metrics` has the engine's
+                arrival, first-scheduled and first-token times).
+            num_prompt_tokens: the request's prompt length (counted with its first token).
+            last_token_time: when its previous tokens came; None before the first.
+            now: the current `time.monotonic()`.
+        Returns:
+            The request's new last-token time.
+        """
+        num_new = sum(len(c.token_ids) for c in out.outputs)
+        m = out.metrics
+        arrival = m.arrival_time if m is not None else now
+        if num_new:
+            if last_token_time is None:  # the prompt is prefilled: time to first token
+                first = m.first_token_time if m is not None and m.first_token_time else now
+                self.ttft.observe(first - arrival)
+                if m is not None and m.first_scheduled_time is not None:
+                    self.queue_time.observe(m.first_scheduled_time - arrival)
+                self.prompt_tokens.inc(num_prompt_tokens)
+                self._prompt_total += num_prompt_tokens
+            else:
+                self.itl.observe(now - last_token_time)
+            self.generation_tokens.inc(num_new)
+            self._generation_total += num_new
+            last_token_time = now
+        if out.finished:
+            self.e2e.observe(now - arrival)
+            for c in out.outputs:
+                self._success.labels(self._model_name, c.finish_reason or "abort").inc()
+        return last_token_time
+
+    def maybe_log(self, now: float) -> None:
+        """Log throughput and queue state if `log_interval_s` passed and there was work."""
+        elapsed = now - self._last_log
+        if self._log_interval <= 0 or elapsed < self._log_interval:
+            return
+        prompt, generation = self._prompt_total, self._generation_total
+        running, waiting, kv = self._state
+        if (
+            prompt == self._logged_prompt
+            and generation == self._logged_generation
+            and not (running or waiting)
+        ):
+            self._last_log = now  # idle: nothing to report
+            return
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
+            (prompt - self._logged_prompt) / elapsed,
+            (generation - self._logged_generation) / elapsed,
+            running,
+            waiting,
+            100 * kv,
+        )
+        self._last_log = now
+        self._logged_prompt, self._logged_generation = prompt, generation
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text exposition format."""
+        return generate_latest(self.registry)

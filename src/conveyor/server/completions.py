@@ -1,0 +1,195 @@
+"""POST /v1/completions: one engine request per prompt, choices indexed prompt * n + sample."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, Response
+
+from conveyor.outputs import Logprob, RequestOutput
+from conveyor.server.context import ServingContext
+from conveyor.server.errors import APIError
+from conveyor.server.protocol import CompletionRequest
+from conveyor.server.responses import (
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    random_id,
+    usage,
+)
+from conveyor.server.streaming import merge_streams, sse, sse_response
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Response:
+    """Validate everything, queue one request per prompt, answer as JSON or as SSE.
+
+    Raises:
+        APIError / ValueError: a bad request (nothing is queued then).
+    """
+    ctx.check_model(req.model)
+    req.check_common()
+    if req.suffix:
+        raise APIError("suffix is not supported by this server.", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise APIError(
+            "echo together with logprobs is not supported: prompt logprobs are not computed.",
+            param="echo",
+        )
+    params = req.sampling_params(req.max_tokens, req.logprobs)
+    engine = ctx.engine
+    prompts = req.prompts()
+    prompt_ids = [ctx.tokenize_prompt(p) for p in prompts]
+    for ids in prompt_ids:  # every prompt is checked before any is queued
+        ctx.check_fits(ids, req.max_tokens, params, "prompt")
+    echo_texts = None
+    if req.echo:
+        echo_texts = [
+            p if isinstance(p, str) else engine.tokenizer.decode(ids)
+            for p, ids in zip(prompts, prompt_ids, strict=True)
+        ]
+    request_id = random_id("cmpl")
+    streams = [
+        engine.generate(p, params, f"{request_id}-{i}", prompt_token_ids=ids)
+        for i, (p, ids) in enumerate(zip(prompts, prompt_ids, strict=True))
+    ]
+    num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+    if req.stream:
+        opts = req.stream_options
+        events = _stream(
+            ctx,
+            request_id,
+            streams,
+            params.n,
+            req.logprobs,
+            echo_texts,
+            num_prompt_tokens,
+            include_usage=bool(opts and opts.include_usage),
+            continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
+        )
+        return sse_response(events)
+
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        if finals[i] is None:
+            finals[i] = out
+        else:
+            finals[i].add(out)  # type: ignore[union-attr]
+    choices = []
+    num_generated = 0
+    for i, final in enumerate(finals):
+        assert final is not None  # every stream ends with a finished output
+        for c in final.outputs:
+            num_generated += len(c.token_ids)
+            text = c.text if echo_texts is None else echo_texts[i] + c.text
+            logprobs = None
+            if req.logprobs is not None and c.logprobs is not None:
+                logprobs = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0)[0]
+            choices.append(
+                CompletionResponseChoice(
+                    index=i * params.n + c.index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+    body = CompletionResponse(
+        id=request_id,
+        model=ctx.model_name,
+        choices=choices,
+        usage=usage(num_prompt_tokens, num_generated),
+    )
+    return JSONResponse(body.model_dump())
+
+
+async def _stream(
+    ctx: ServingContext,
+    request_id: str,
+    streams: list[AsyncIterator[RequestOutput]],
+    n: int,
+    num_logprobs: int | None,
+    echo_texts: list[str] | None,
+    num_prompt_tokens: int,
+    include_usage: bool,
+    continuous_usage: bool,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    num_choices = len(streams) * n
+    echoed = [echo_texts is None] * num_choices
+    finished = [False] * num_choices
+    offsets = [0] * num_choices  # text_offset of the next token, per choice
+    num_generated = 0
+    async for i, out in merge_streams(streams):
+        for c in out.outputs:
+            index = i * n + c.index
+            if finished[index]:
+                continue
+            text = c.text
+            if not echoed[index]:
+                text = echo_texts[i] + text  # type: ignore[index]
+                echoed[index] = True
+            finished[index] = c.finish_reason is not None
+            if not (text or c.token_ids or finished[index]):
+                continue  # held-back text (a possible stop string): nothing to send yet
+            num_generated += len(c.token_ids)
+            logprobs = None
+            if num_logprobs is not None and c.logprobs is not None:
+                logprobs, offsets[index] = completion_logprobs(
+                    c.token_ids, c.logprobs, num_logprobs, offsets[index]
+                )
+            choice = CompletionResponseChoice(
+                index=index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            chunk = CompletionStreamResponse(
+                id=request_id, created=created, model=ctx.model_name, choices=[choice]
+            )
+            if continuous_usage:
+                chunk.usage = usage(num_prompt_tokens, num_generated)
+            yield sse(chunk)
+    if include_usage:
+        yield sse(
+            CompletionStreamResponse(
+                id=request_id,
+                created=created,
+                model=ctx.model_name,
+                choices=[],
+                usage=usage(num_prompt_tokens, num_generated),
+            )
+        )
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob]], num: int, offset: int
+) -> tuple[CompletionLogProbs, int]:
+    """The legacy completions logprobs object, as vLLM builds it.
+
+    Args:
+        token_ids: sampled tokens; entries[k] holds token_ids[k] and the top alternatives.
+        num: the request's `logprobs`; each position lists up to num + 1 tokens (the sampled
+            one first, then the top `num`).
+        offset: text offset of the first token.
+    Returns:
+        The object and the text offset after its last token.
+    """
+    out = CompletionLogProbs()
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        sampled = entry[token_id]
+        token = sampled.decoded_token or ""
+        out.tokens.append(token)
+        out.token_logprobs.append(max(sampled.logprob, -9999.0))
+        out.top_logprobs.append(
+            {
+                (lp.decoded_token or ""): max(lp.logprob, -9999.0)
+                for k, lp in enumerate(entry.values())
+                if k <= num
+            }
+        )
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out, offset

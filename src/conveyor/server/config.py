@@ -1,0 +1,109 @@
+"""ServerConfig and the `conveyor serve` settings: built-in defaults < configs/*.yaml < flags.
+
+One YAML file holds both the engine's keys (every EngineConfig field) and the server's keys
+(every ServerConfig field); `-` and `_` are interchangeable in key names, and an unknown key is
+an error that lists the known ones. The API key may also come from $CONVEYOR_API_KEY, so it
+need not appear in a process listing or a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from conveyor.config import EngineConfig
+
+API_KEY_ENV = "CONVEYOR_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    shutdown_timeout: float = 10.0  # seconds in-flight requests may finish after SIGTERM
+    log_level: str = "info"
+    log_stats_interval: float = 5.0  # seconds between throughput log lines; 0 disables
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty string, got {self.host!r}.")
+        port = self.port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"port must be an integer in [1, 65535], got {port!r}.")
+        for name in ("shutdown_timeout", "log_stats_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}.")
+        if self.log_level not in LOG_LEVELS:
+            allowed = ", ".join(LOG_LEVELS)
+            raise ValueError(f"log_level must be one of {allowed}; got {self.log_level!r}.")
+        for name in ("api_key", "served_model_name"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}.")
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a configs/*.yaml file into a flat dict of known keys.
+
+    Raises:
+        ValueError: a missing or unreadable file, invalid YAML, or an unknown key.
+    """
+    import yaml
+
+    file = Path(path)
+    try:
+        data = yaml.safe_load(file.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {str(file)!r}: {exc.strerror}.") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {str(file)!r} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(file)!r} must hold a mapping of key: value.")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    known = _field_names(EngineConfig) + _field_names(ServerConfig)
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) in {str(file)!r}: {', '.join(unknown)}. "
+            f"Known keys: {', '.join(sorted(known))}."
+        )
+    return data
+
+
+def build_serve_config(
+    config_file: str | os.PathLike[str] | None, overrides: dict[str, Any]
+) -> tuple[EngineConfig, ServerConfig]:
+    """Merge defaults, the config file and the flags (flags win; None means "not given").
+
+    Args:
+        config_file: a YAML file, or None.
+        overrides: flag values by field name; None values are ignored.
+    Returns:
+        The engine's and the server's config.
+    Raises:
+        ValueError: a bad file, an unknown key or an invalid value.
+    """
+    values = read_config_file(config_file) if config_file else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if values.get("api_key") is None and os.environ.get(API_KEY_ENV):
+        values["api_key"] = os.environ[API_KEY_ENV]
+    server_keys = set(_field_names(ServerConfig))
+    engine_values = {k: v for k, v in values.items() if k not in server_keys}
+    server_values = {k: v for k, v in values.items() if k in server_keys}
+    unknown = sorted(set(engine_values) - set(_field_names(EngineConfig)))
+    if unknown:
+        raise ValueError(f"unknown setting(s): {', '.join(unknown)}.")
+    return EngineConfig(**engine_values), ServerConfig(**server_values)

@@ -1,0 +1,91 @@
+"""ServingContext: what every endpoint shares (the engine, the served name) and their checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.async_engine import AsyncLLM
+from conveyor.sampling_params import SamplingParams
+from conveyor.server.errors import APIError
+from conveyor.server.protocol import ChatMessage
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """Args:
+    engine: the running AsyncLLM.
+    model_name: the one model name clients must send (or leave out).
+    model_path: reported as the model's `root` in /v1/models.
+    """
+
+    engine: AsyncLLM
+    model_name: str
+    model_path: str | None = None
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is the served name (None means the served model, as in vLLM)."""
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", param="model", status=404)
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text or token-id prompt; an empty prompt is a 400."""
+        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise APIError("The prompt is empty: give at least one token.", param="prompt")
+        return ids
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Prompt token ids of chat messages, through the tokenizer's chat template."""
+        tokenizer = self.engine.tokenizer
+        if not tokenizer.has_chat_template:
+            raise APIError(
+                "This model has no chat template; use /v1/completions with a plain prompt.",
+                param="messages",
+            )
+        try:
+            return tokenizer.apply_chat_template(
+                [m.for_template() for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
+            )
+        except Exception as exc:  # a template that rejects these messages (raise_exception)
+            message = f"The chat template failed on these messages: {exc}"
+            raise APIError(message, param="messages") from exc
+
+    def check_fits(
+        self, prompt_ids: list[int], max_tokens: int | None, params: SamplingParams, what: str
+    ) -> None:
+        """400 unless the prompt can run: valid token ids, prompt plus max_tokens within the
+        model's context (vLLM's message), within the KV cache.
+
+        Args:
+            prompt_ids: the prompt.
+            max_tokens: requested output cap (None: whatever is left).
+            params: the request's sampling parameters.
+            what: "prompt" or "messages", for the message.
+        """
+        limit = self.engine.max_model_len
+        n = len(prompt_ids)
+        if n >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {n} input tokens. Please reduce the length of the input {what}.",
+                param=what,
+            )
+        if max_tokens is not None and n + max_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the {what}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {what} or completion.",
+                param="max_tokens",
+            )
+        try:
+            self.engine.check_prompt(prompt_ids, params)
+        except ValueError as exc:
+            raise APIError(str(exc), param=what) from exc

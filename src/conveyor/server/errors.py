@@ -1,0 +1,120 @@
+"""Every error the server sends, in one place: `{"error": {"message", "type", "param", "code"}}`.
+
+    pydantic RequestValidationError (422), malformed JSON  -> 400 BadRequestError, param = field
+    APIError / ValueError (SamplingParams, engine checks)  -> 400 (or the APIError's status)
+    unknown route / method                                  -> 404 / 405
+    EngineNotRunningError (dead engine, shutting down)      -> 503 ServiceUnavailableError
+    RequestFailedError, anything else                       -> 500, logged; never a traceback
+As in vLLM, `type` names the HTTP error (the openai SDK raises the matching exception) and
+`code` is the status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from conveyor.async_engine import EngineNotRunningError, RequestFailedError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(ValueError):
+    """A request the server refuses, with the HTTP status and the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object for `status`."""
+    kind = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def sse_error(exc: BaseException) -> str:
+    """The SSE event that reports an error after a stream has started."""
+    status, message, param = classify(exc)
+    return f"data: {json.dumps(error_body(message, status, param))}\n\n"
+
+
+def classify(exc: BaseException, log: bool = True) -> tuple[int, str, str | None]:
+    """Map an exception to (status, message, param); unexpected ones are logged if `log`."""
+    if isinstance(exc, APIError):
+        return exc.status, exc.message, exc.param
+    if isinstance(exc, ValueError):
+        return 400, str(exc), None
+    if isinstance(exc, EngineNotRunningError):
+        return 503, str(exc), None
+    if isinstance(exc, RequestFailedError):
+        return 500, str(exc), None
+    if log:
+        logger.error("Unexpected error while serving a request", exc_info=exc)
+    return 500, f"Internal server error ({type(exc).__name__}); see the server log.", None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid")
+        return f"Malformed JSON in the request body: {detail.get('ctx', {}).get('error')}.", None
+    parts: list[str] = []
+    param = None
+    for e in errors[:5]:
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        if param is None and loc:
+            param = loc[0]
+        where = ".".join(loc) or "body"
+        part = f"{where}: {e.get('msg')}"
+        if part not in parts:
+            parts.append(part)
+    return "; ".join(parts) or "Invalid request.", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error of `app` through the one body format above."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code)
+
+    async def _known(_: Request, exc: Exception) -> JSONResponse:
+        status, message, param = classify(exc)
+        return error_response(message, status, param)
+
+    for known in (ValueError, EngineNotRunningError, RequestFailedError):
+        app.add_exception_handler(known, _known)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback after this response is sent; the client gets none.
+        status, message, param = classify(exc, log=False)
+        return error_response(message, status, param)

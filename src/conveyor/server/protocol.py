@@ -1,0 +1,180 @@
+"""Pydantic models of the OpenAI-compatible requests (responses are in server/responses.py).
+
+Fields and defaults follow the OpenAI API plus vLLM's extensions (top_k, min_p,
+repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority, ...). Unknown fields are
+ignored, as vLLM does. Numbers and booleans are strict (`"max_tokens": "5"` or `true` is a 400,
+not silently coerced). `null` means "the default" everywhere. Ranges are checked once, by
+SamplingParams, whose ValueError names the field; `to_sampling_params` turns it into a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+from conveyor.sampling_params import SamplingParams
+from conveyor.server.errors import APIError
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: Bool | None = False
+    continuous_usage_stats: Bool | None = False
+
+
+class _GenerationRequest(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: Int | None = None
+    n: Int | None = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    seed: Int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int] | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    ignore_eos: Bool | None = False
+    min_tokens: Int | None = 0
+    include_stop_str_in_output: Bool | None = False
+    skip_special_tokens: Bool | None = True
+    priority: Int | None = 0
+    user: str | None = None
+    stream: Bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: Int | None = None
+
+    def check_common(self) -> None:
+        """Checks that SamplingParams cannot make (they involve the request as a whole)."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "Stream options can only be defined when `stream=True`.", param="stream_options"
+            )
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported by this server.", param="logit_bias")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError("best_of is not supported: leave it unset or equal to n.", "best_of")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Build SamplingParams; a range error becomes a 400 naming the field.
+
+        Args:
+            max_tokens: the output cap (None: whatever the context leaves).
+            logprobs: how many top logprobs per token (None: no logprobs).
+        """
+        fields: dict[str, Any] = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "priority": self.priority,
+        }
+        kwargs = {k: v for k, v in fields.items() if v is not None}
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        except ValueError as exc:
+            field = str(exc).split(" ", 1)[0]
+            param = field if field in type(self).model_fields else None
+            raise APIError(str(exc), param=param) from exc
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: Bool | None = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError("prompt must not be empty.", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, name, ... go to the template
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined into one string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = None
+    add_generation_prompt: Bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check_chat(self) -> None:
+        """Chat-only checks, before the template is applied."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(
+                "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+            )
+        if self.tools:
+            raise APIError("tools are not supported by this server.", param="tools")
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool | None = True
+    add_generation_prompt: Bool | None = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[Int]

@@ -1,0 +1,104 @@
+"""Run a real `conveyor serve` (uvicorn) in a subprocess on 127.0.0.1 and a free port."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def conveyor_command() -> list[str]:
+    """The `conveyor` console script next to this interpreter (what users run)."""
+    script = Path(sys.executable).with_name("conveyor")
+    if script.is_file():
+        return [str(script)]
+    found = shutil.which("conveyor")
+    return [found] if found else [sys.executable, "-m", "conveyor.cli"]
+
+
+class ServeProcess:
+    """`conveyor serve ARGS --host 127.0.0.1 --port PORT`, its log in `log_path`."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [*conveyor_command(), "serve", *args, "--host", "127.0.0.1"]
+        command += ["--port", str(self.port), "--log-stats-interval", "0"]
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=log_path.parent,
+        )
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"conveyor serve exited early:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"conveyor serve did not become healthy:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_server(args: list[str], tmp_dir: Path, env: dict[str, str] | None = None):
+    """Start and wait until /health answers 200 (retries once if the port was taken)."""
+    for attempt in range(3):
+        server = ServeProcess(args, tmp_dir / f"serve-{attempt}.log", env)
+        try:
+            server.wait_ready()
+            return server
+        except RuntimeError:
+            server.stop(signal.SIGKILL)
+            if not re.search(r"address already in use", server.log(), re.I):
+                raise
+    raise RuntimeError("no free port found for conveyor serve")
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one series in Prometheus text (0.0 if it is absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        found = dict(re.findall(r'(\w+)="([^"]*)"', series[len(name) :]))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(value)
+    return 0.0

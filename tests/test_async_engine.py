@@ -1,0 +1,200 @@
+"""AsyncLLM in-process: deltas, aborts, a failing step, a dead engine, the shutdown grace."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from conveyor import LLM, AsyncLLM, SamplingParams
+from conveyor.async_engine import EngineNotRunningError, RequestFailedError
+from conveyor.server.app import build_app
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _engine(path, **kwargs) -> AsyncLLM:
+    return AsyncLLM(str(path), num_kv_blocks=64, log_stats_interval_s=0, **kwargs)
+
+
+async def _collect(stream) -> tuple[str, list[int], str | None]:
+    text, ids, finish = "", [], None
+    async for out in stream:
+        text += out.outputs[0].text
+        ids += out.outputs[0].token_ids
+        finish = out.outputs[0].finish_reason
+    return text, ids, finish
+
+
+async def _until_idle(llm: AsyncLLM) -> None:
+    for _ in range(200):
+        if not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv_usage == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the engine did not become idle")
+
+
+def test_concurrent_deltas_concatenate_to_llm_generate(demo_model_dir) -> None:
+    prompts = ["One", "Two three", "Four five six", "Seven"]
+    expected = LLM(str(demo_model_dir), num_kv_blocks=64).generate(prompts, GREEDY, use_tqdm=False)
+
+    async def run():
+        llm = _engine(demo_model_dir)
+        results = await asyncio.gather(*(_collect(llm.generate(p, GREEDY)) for p in prompts))
+        await llm.shutdown()
+        return results
+
+    for (text, ids, finish), out in zip(asyncio.run(run()), expected, strict=True):
+        assert (text, ids, finish) == (out.outputs[0].text, out.outputs[0].token_ids, "length")
+
+
+def test_abort_and_leaving_early_both_free_the_blocks(demo_model_dir) -> None:
+    long = SamplingParams(max_tokens=500, ignore_eos=True)
+
+    async def run():
+        llm = _engine(demo_model_dir)
+        stream = llm.generate("abort me", long, request_id="a")
+        outputs = []
+        async for out in stream:
+            outputs.append(out)
+            if len(outputs) == 2:
+                await llm.abort("a")
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+        await _until_idle(llm)
+
+        stream = llm.generate("leave me", long)
+        async for _ in stream:
+            break  # the consumer goes away
+        await stream.aclose()
+        await _until_idle(llm)
+        with pytest.raises(ValueError, match="empty"):
+            llm.generate([], long)
+        await llm.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_failing_step_fails_its_requests_and_the_rest_go_on(demo_model_dir) -> None:
+    async def run():
+        llm = _engine(demo_model_dir, max_num_seqs=1)  # B waits while A runs
+        execute = llm.engine.runner.execute
+        calls = 0
+
+        def flaky(sched_out):
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise RuntimeError("boom")
+            return execute(sched_out)
+
+        llm.engine.runner.execute = flaky
+        a = asyncio.ensure_future(_collect(llm.generate("A", GREEDY)))
+        b = asyncio.ensure_future(_collect(llm.generate("B", GREEDY)))
+        with pytest.raises(RequestFailedError, match="RuntimeError"):
+            await a
+        _, ids, finish = await b
+        assert len(ids) == 10 and finish == "length"
+        llm.check_health()  # still healthy
+        assert await _collect(llm.generate("C", GREEDY)) is not None
+        await _until_idle(llm)
+        await llm.shutdown()
+
+    asyncio.run(run())
+
+
+def test_dead_engine_answers_503_on_health_and_requests(demo_model_dir) -> None:
+    async def run():
+        llm = _engine(demo_model_dir)
+        app = build_app(llm)
+        await llm.start()
+
+        def broken(*_):
+            raise RuntimeError("broken beyond repair")
+
+        llm.engine.step = broken
+        llm.engine.abort_step = broken  # recovery fails too: the loop dies
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/health")).status_code == 200
+            with pytest.raises(EngineNotRunningError):
+                await _collect(llm.generate("x", GREEDY))
+            health = await client.get("/health")
+            assert health.status_code == 503
+            assert health.json()["error"]["type"] == "ServiceUnavailableError"
+            resp = await client.post("/v1/completions", json={"prompt": "x"})
+            assert resp.status_code == 503 and "failed" in resp.json()["error"]["message"]
+        await llm.shutdown()
+
+    asyncio.run(run())
+
+
+def test_shutdown_grace_then_abort_and_no_new_requests(demo_model_dir) -> None:
+    async def run():
+        llm = _engine(demo_model_dir)
+        short = llm.generate("short", GREEDY)
+        long = llm.generate("long", SamplingParams(max_tokens=1000, ignore_eos=True))
+        first = await long.__anext__()
+        llm.begin_shutdown(0.3)
+        with pytest.raises(EngineNotRunningError, match="shutting down"):
+            llm.generate("late", GREEDY)
+        assert (await _collect(short))[2] == "length"  # in-flight work finishes
+        rest = await _collect(long)
+        assert rest[2] == "abort" and 1 + len(rest[1]) < 1000
+        assert first.outputs[0].finish_reason is None
+        await llm.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_failing_step_gives_500_or_an_sse_error_event(demo_model_dir) -> None:
+    async def run():
+        llm = _engine(demo_model_dir)
+        app = build_app(llm)
+        await llm.start()
+        execute = llm.engine.runner.execute
+        fail = True
+
+        def flaky(sched_out):
+            if fail:
+                raise RuntimeError("kernel fault")
+            return execute(sched_out)
+
+        llm.engine.runner.execute = flaky
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            body = {"prompt": "x", "max_tokens": 4}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status_code == 500
+            error = resp.json()["error"]
+            assert error["type"] == "InternalServerError" and "RuntimeError" in error["message"]
+            assert "kernel fault" not in error["message"]  # internals stay in the server log
+            resp = await client.post("/v1/completions", json={**body, "stream": True})
+            assert resp.status_code == 200
+            events = resp.text.split("\n\n")
+            assert json.loads(events[-3].removeprefix("data: "))["error"]["code"] == 500
+            assert events[-2:] == ["data: [DONE]", ""]
+            fail = False
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status_code == 200 and (await client.get("/health")).status_code == 200
+        await llm.shutdown()
+
+    asyncio.run(run())
+
+
+def test_stats_log_line_reports_throughput_while_busy(caplog) -> None:
+    from conveyor.metrics import EngineMetrics
+    from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    metrics = EngineMetrics("m", log_interval_s=0.001)
+    out = RequestOutput(
+        "r", "p", [1, 2], [CompletionOutput(0, "ab", [5, 6])], metrics=RequestMetrics(0.0)
+    )
+    assert metrics.record_output(out, 2, None, now=1.0) == 1.0
+    metrics.record_step(2, num_running=1, num_waiting=3, kv_usage=0.25, num_preemptions=0)
+    with caplog.at_level("INFO", logger="conveyor.stats"):
+        metrics.maybe_log(metrics._last_log + 2.0)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "prompt throughput: 1.0 tokens/s" in line and "generation throughput: 1.0" in line
+    assert "Running: 1 reqs, Waiting: 3 reqs, KV cache usage: 25.0%" in line

@@ -1,0 +1,133 @@
+"""`conveyor serve` settings (defaults < configs/*.yaml < flags), the shipped configs, and what
+can be checked of the Dockerfile without a docker engine (its wheel build, its entrypoint)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conveyor.cli import build_parser, main
+from conveyor.config import EngineConfig
+from conveyor.server.config import ServerConfig, build_serve_config, read_config_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_flags_override_the_config_file(tmp_path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("port: 9001\nmax-num-seqs: 8\nscheduler: sjf\napi_key: from-file\n")
+    engine, server = build_serve_config(config, {"port": 9002, "scheduler": None})
+    assert (server.port, server.api_key, engine.max_num_seqs) == (9002, "from-file", 8)
+    assert engine.scheduler == "sjf"  # a flag left unset (None) keeps the file's value
+
+
+def test_unknown_key_is_an_error_naming_it(tmp_path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("max_num_seq: 8\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) in .*: max_num_seq\. Known keys"):
+        read_config_file(config)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("- a\n- b\n", "mapping"), ("port: [\n", "not valid YAML"), ("port: 0\n", "port must")],
+)
+def test_bad_config_files_are_clear_errors(tmp_path, text, match) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        build_serve_config(config, {})
+
+
+def test_missing_file_and_env_api_key(tmp_path, monkeypatch) -> None:
+    with pytest.raises(ValueError, match="cannot read config file"):
+        build_serve_config(tmp_path / "nope.yaml", {})
+    monkeypatch.setenv("CONVEYOR_API_KEY", "from-env")
+    assert build_serve_config(None, {})[1].api_key == "from-env"
+    assert build_serve_config(None, {"api_key": "flag"})[1].api_key == "flag"
+
+
+def test_shipped_configs_load_and_default_yaml_states_the_defaults() -> None:
+    for name in ("default.yaml", "demo.yaml"):
+        build_serve_config(ROOT / "configs" / name, {})
+    documented = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    for cls in (EngineConfig, ServerConfig):
+        for f in dataclasses.fields(cls):
+            if f.name in documented:
+                assert documented[f.name] == f.default, f.name
+
+
+def test_cli_serve_with_a_bad_config_exits_2_without_a_traceback(tmp_path, capsys) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("prot: 8000\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("conveyor serve: error: unknown key(s)") and "Traceback" not in err
+
+
+def test_cli_serve_has_the_design_flags() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--model", "m", "--host", "h", "--port", "1", "--config", "c.yaml",
+         "--scheduler", "fifo", "--max-num-seqs", "2", "--max-num-batched-tokens", "3",
+         "--block-size", "16", "--num-kv-blocks", "4", "--api-key", "k",
+         "--served-model-name", "n"]
+    )  # fmt: skip
+    assert (args.model, args.port, args.max_num_batched_tokens, args.served_model_name) == (
+        "m",
+        1,
+        3,
+        "n",
+    )
+
+
+def _dockerfile_json(instruction: str) -> list[list[str]]:
+    """The exec-form arguments of every `instruction` line of the Dockerfile."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    return [json.loads(m) for m in re.findall(rf"^{instruction} (?:.*?CMD )?(\[.*\])$", text, re.M)]
+
+
+def test_dockerfile_targets_user_volume_and_entrypoint() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM .* AS cpu$", text, re.M) and re.search(
+        r"^FROM .* AS cuda$", text, re.M
+    )
+    assert text.rstrip().splitlines()[-1] == "CMD []"  # the last stage (the default) is cuda
+    assert text.count("USER conveyor") == 2 and 'VOLUME ["/models"]' in text
+    for entrypoint in _dockerfile_json("ENTRYPOINT"):
+        assert entrypoint[:2] == ["conveyor", "serve"]
+        args = build_parser().parse_args([*entrypoint[1:], "--model", "/models/m"])
+        assert (args.host, args.port, args.model) == ("0.0.0.0", 8000, "/models/m")
+    checks = _dockerfile_json("HEALTHCHECK")
+    assert len(checks) == 2 and all("http://127.0.0.1:8000/health" in c[-1] for c in checks)
+
+
+def test_dockerfile_wheel_stage_builds_a_wheel_with_the_server(tmp_path) -> None:
+    # The wheel stage is `COPY . .` (minus .dockerignore) then `pip wheel --no-deps .`.
+    ignored = [
+        line.strip().removeprefix("**/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    src = tmp_path / "context"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*ignored, "*.egg-info", "build"))
+    assert not (src / "tests").exists() and (src / "src" / "conveyor" / "server").is_dir()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "--wheel-dir", str(tmp_path / "wheels"), str(src)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "wheels").glob("conveyor-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in ("server/app.py", "server/launch.py", "async_engine.py", "metrics.py"):
+        assert f"conveyor/{module}" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "conveyor = conveyor.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

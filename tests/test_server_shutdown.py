@@ -1,0 +1,76 @@
+"""SIGTERM on a real `conveyor serve`: no new requests, in-flight ones finish within the grace
+period, the rest end cleanly with finish_reason "abort"; plus the Dockerfile's health check."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+from tests.serve_process import metric_value, start_server
+
+DOCKERFILE = Path(__file__).resolve().parents[1] / "Dockerfile"
+
+
+def _stream_events(url: str, body: dict) -> list[str]:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        return [line for line in r.iter_lines() if line]
+
+
+def test_sigterm_drains_then_aborts_and_exits(demo_model_dir, tmp_path) -> None:
+    server = start_server(
+        ["--model", str(demo_model_dir), "--num-kv-blocks", "256", "--shutdown-timeout", "3"],
+        tmp_path,
+    )
+    url = server.base_url
+    try:
+        # The Dockerfile's HEALTHCHECK command, pointed at this server's port.
+        check = re.search(r"HEALTHCHECK .*\n\s+CMD (\[.*\])", DOCKERFILE.read_text())
+        command = json.loads(check.group(1))
+        command[-1] = command[-1].replace(":8000/", f":{server.port}/")
+        assert subprocess.run([sys.executable, *command[1:]], timeout=30).returncode == 0
+
+        long_body = {"prompt": "long", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        short_body = {"prompt": "short", "max_tokens": 60, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(_stream_events, url, long_body)
+            short = pool.submit(httpx.post, f"{url}/v1/completions", json=short_body, timeout=60)
+            deadline = time.monotonic() + 30
+            while not short.done():  # wait until both are running, then stop the server
+                text = httpx.get(f"{url}/metrics").text
+                if metric_value(text, "conveyor:num_requests_running") == 2:
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            sent = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            short_resp = short.result()
+            events = long.result()
+        # In flight before SIGTERM: finished normally.
+        assert short_resp.status_code == 200
+        assert short_resp.json()["choices"][0]["finish_reason"] == "length"
+        assert short_resp.json()["usage"]["completion_tokens"] == 60
+        # Still running when the grace period ended: aborted, and the stream ended cleanly.
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] == "abort"
+        assert time.monotonic() - sent >= 2.5
+        # Stopped admitting: the listening socket is closed.
+        try:
+            refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=5)
+            assert refused.status_code == 503
+        except httpx.TransportError:
+            pass
+        server.proc.wait(timeout=30)
+    finally:
+        server.stop(signal.SIGKILL)
+    log = server.log()
+    assert "Shutting down: no new requests" in log
+    assert "aborting 1 requests" in log
+    assert "Traceback" not in log
