@@ -12,47 +12,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 
 from conveyor.config import EngineConfig
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.scheduler import Scheduler
 from conveyor.model.runner import ModelRunner
 from conveyor.model.sampler import TokenLogprobs
-from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
+from conveyor.sequence import ParentRequest, SequenceState
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Sequence:
-    """Engine-side state of one generated sequence."""
-
-    request: Request
-    parent_id: str
-    index: int
-    detokenizer: IncrementalDetokenizer
-    text: str = ""  # text handed out so far (never contains a partial stop string)
-    logprobs: list[dict[int, Logprob]] | None = None  # not yet reported ones, if delta
-    cumulative_logprob: float | None = None
-    num_sent_tokens: int = 0  # output tokens already reported (delta outputs)
-
-
-@dataclass(slots=True)
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    stream: bool
-    delta: bool
-    metrics: RequestMetrics
-    seqs: list[_Sequence] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -71,8 +42,8 @@ class LLMEngine:
         config.max_model_len = self.runner.max_model_len
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(config)
-        self._parents: dict[str, _Parent] = {}
-        self._seqs: dict[str, _Sequence] = {}
+        self._parents: dict[str, ParentRequest] = {}
+        self._seqs: dict[str, SequenceState] = {}
         # What the current step scheduled (None until schedule() returned), for abort_step().
         self._step_scheduled: list[Request] | None = None
         self.last_step_num_tokens = 0  # tokens the latest step computed (prefill + decode)
@@ -110,7 +81,7 @@ class LLMEngine:
         max_tokens = self.check_prompt(prompt_ids, params)
         params = self._with_generation_eos(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        parent = _Parent(
+        parent = ParentRequest(
             request_id, prompt_text, prompt_ids, stream, delta, RequestMetrics(arrival)
         )
         for i in range(params.n):
@@ -127,7 +98,7 @@ class LLMEngine:
                 eos_token_id=self.tokenizer.eos_token_id,
                 arrival_time=arrival,
             )
-            seq = _Sequence(
+            seq = SequenceState(
                 req,
                 request_id,
                 i,
@@ -200,7 +171,7 @@ class LLMEngine:
                 [s.request.request_id for s in parent.seqs], RequestStatus.FINISHED_ABORTED
             )
             parent.metrics.finished_time = time.monotonic()
-            outputs.append(self._make_output(parent))
+            outputs.append(parent.output())
             self._forget(parent)
         return outputs
 
@@ -257,7 +228,7 @@ class LLMEngine:
         logprobs = dict(zip(tokens, sampler_out.logprobs, strict=True))
         updated = self.scheduler.update_from_output(sched_out, tokens)
 
-        touched: dict[str, _Parent] = {}
+        touched: dict[str, ParentRequest] = {}
         for req in updated:
             seq = self._seqs[req.request_id]
             self._update_sequence(seq, tokens[req.request_id], logprobs[req.request_id])
@@ -270,10 +241,10 @@ class LLMEngine:
                 parent.metrics.first_token_time = now
             if parent.finished:
                 parent.metrics.finished_time = now
-                outputs.append(self._make_output(parent))
+                outputs.append(parent.output())
                 self._forget(parent)
             elif parent.stream:
-                outputs.append(self._make_output(parent))
+                outputs.append(parent.output())
         return outputs
 
     def _report_finished_by_scheduler(self, finished_ids: list[str]) -> list[RequestOutput]:
@@ -288,15 +259,14 @@ class LLMEngine:
             parent = None if seq is None else self._parents.get(seq.parent_id)
             if parent is not None and parent.finished:
                 parent.metrics.finished_time = time.monotonic()
-                outputs.append(self._make_output(parent))
+                outputs.append(parent.output())
                 self._forget(parent)
         return outputs
 
-    def _update_sequence(self, seq: _Sequence, token_id: int, lp: TokenLogprobs | None) -> None:
+    def _update_sequence(self, seq: SequenceState, token_id: int, lp: TokenLogprobs | None) -> None:
         req = seq.request
-        if seq.logprobs is not None and lp is not None:
-            seq.logprobs.append(self._logprob_dict(lp))
-            seq.cumulative_logprob += lp.logprob
+        if lp is not None:
+            seq.add_logprobs(lp, self.tokenizer.id_to_token_text)
         # eos / a stop token id ended it: like vLLM, its text is not part of the output.
         stop_token = req.status == RequestStatus.FINISHED_STOPPED
         stop = seq.detokenizer.update([token_id], stop_terminated=stop_token)
@@ -309,49 +279,7 @@ class LLMEngine:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         seq.text += seq.detokenizer.get_delta(req.is_finished)
 
-    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
-        decode = self.tokenizer.id_to_token_text
-        out = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
-        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
-            if tid not in out:
-                out[tid] = Logprob(value, rank, decode(tid))
-        return out
-
-    def _make_output(self, parent: _Parent) -> RequestOutput:
-        completions = [self._make_completion(s, parent.delta) for s in parent.seqs]
-        return RequestOutput(
-            parent.request_id,
-            parent.prompt,
-            parent.prompt_token_ids,
-            completions,
-            finished=parent.finished,
-            metrics=parent.metrics,
-        )
-
-    @staticmethod
-    def _make_completion(s: _Sequence, delta: bool) -> CompletionOutput:
-        token_ids = s.request.output_token_ids
-        if delta:  # hand over what is new and start collecting afresh
-            text, s.text = s.text, ""
-            token_ids, s.num_sent_tokens = token_ids[s.num_sent_tokens :], len(token_ids)
-            logprobs = s.logprobs
-            if logprobs is not None:
-                s.logprobs = []
-        else:
-            text, token_ids = s.text, list(token_ids)
-            logprobs = list(s.logprobs) if s.logprobs is not None else None
-        return CompletionOutput(
-            index=s.index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=s.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=s.request.status.finish_reason,
-            stop_reason=s.request.stop_reason,
-            abort_reason=s.request.abort_reason,
-        )
-
-    def _forget(self, parent: _Parent) -> None:
+    def _forget(self, parent: ParentRequest) -> None:
         del self._parents[parent.request_id]
         for s in parent.seqs:
             self._seqs.pop(s.request.request_id, None)

@@ -1,0 +1,92 @@
+"""Engine-side output state of requests: text, logprobs and what was already reported.
+
+`LLMEngine` schedules `Request`s (core/); this module keeps, per generated sequence, what the
+user sees: the incremental detokenizer's text, the logprob dicts, and for delta (streaming)
+outputs how much was handed out. A request with n > 1 is one `ParentRequest` with n
+`SequenceState`s, reported together in one `RequestOutput`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from conveyor.core.request import Request
+from conveyor.model.sampler import TokenLogprobs
+from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """Output state of one generated sequence."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # text not yet handed out if delta, else all of it (no partial stop string)
+    logprobs: list[dict[int, Logprob]] | None = None  # not yet reported ones, if delta
+    cumulative_logprob: float | None = None
+    num_sent_tokens: int = 0  # output tokens already reported (delta outputs)
+
+    def add_logprobs(self, lp: TokenLogprobs, decode: Callable[[int], str]) -> None:
+        """Record the sampled token's logprob and its top-N alternatives (vLLM's format)."""
+        if self.logprobs is None:
+            return
+        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+            if tid not in entry:
+                entry[tid] = Logprob(value, rank, decode(tid))
+        self.logprobs.append(entry)
+        self.cumulative_logprob += lp.logprob
+
+    def completion(self, delta: bool) -> CompletionOutput:
+        """This sequence as a CompletionOutput: cumulative, or only what is new if delta."""
+        token_ids = self.request.output_token_ids
+        if delta:  # hand over what is new and start collecting afresh
+            text, self.text = self.text, ""
+            token_ids, self.num_sent_tokens = token_ids[self.num_sent_tokens :], len(token_ids)
+            logprobs = self.logprobs
+            if logprobs is not None:
+                self.logprobs = []
+        else:
+            text, token_ids = self.text, list(token_ids)
+            logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=self.request.status.finish_reason,
+            stop_reason=self.request.stop_reason,
+            abort_reason=self.request.abort_reason,
+        )
+
+
+@dataclass(slots=True)
+class ParentRequest:
+    """A user request: its prompt, how it reports, and its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    stream: bool
+    delta: bool
+    metrics: RequestMetrics
+    seqs: list[SequenceState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [s.completion(self.delta) for s in self.seqs],
+            finished=self.finished,
+            metrics=self.metrics,
+        )
