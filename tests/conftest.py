@@ -1,10 +1,22 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures.
+
+Triton kernels: without a CUDA GPU they can only run in Triton's CPU interpreter, which
+triton.jit picks at decoration time (when conveyor.kernels is first imported). Setting
+TRITON_INTERPRET here, before any test module is imported, makes that the only mode the
+session's kernels ever have. Nothing else reads the variable, so other tests are unchanged;
+with a GPU it is left alone and the `interpreter` tests run compiled on CUDA.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _TINY_TOKENIZER_TEXT = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

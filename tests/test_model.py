@@ -14,12 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from conveyor.model.attention import (
     TorchAttentionBackend,
-    allocate_kv_caches,
     build_attention_metadata,
     get_attention_backend,
-    kv_cache_bytes_per_block,
-    write_kv_cache,
 )
+from conveyor.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, write_kv_cache
 from conveyor.model.llama import ModelConfig
 from conveyor.model.loader import MODEL_REGISTRY, load_model
 
@@ -237,14 +235,30 @@ def test_config_reads_transformers4_rope_fields():
         ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2}})
 
 
-def test_registry_and_backend_choice():
+def test_registry_and_backend_choice(monkeypatch):
     assert set(MODEL_REGISTRY) >= {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
     assert isinstance(get_attention_backend("auto", "cpu"), TorchAttentionBackend)
     assert isinstance(get_attention_backend("torch", "cpu"), TorchAttentionBackend)
-    with pytest.raises(ValueError, match="Triton"):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU Triton needs the interpreter
+    with pytest.raises(ValueError, match=r"Triton's interpreter.*TRITON_INTERPRET=1"):
         get_attention_backend("triton", "cpu")
     with pytest.raises(ValueError, match="auto, torch"):
         get_attention_backend("flash", "cpu")
+
+
+def test_auto_backend_is_triton_on_cuda_and_torch_when_triton_cannot_run(monkeypatch):
+    import conveyor.model.attention as attention
+
+    monkeypatch.setattr(attention, "_import_kernels", lambda device: object())
+    assert isinstance(get_attention_backend("auto", "cuda"), attention.TritonAttentionBackend)
+
+    def unavailable(device):
+        raise ValueError("no triton here")
+
+    monkeypatch.setattr(attention, "_import_kernels", unavailable)
+    assert isinstance(get_attention_backend("auto", "cuda"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="no triton here"):
+        get_attention_backend("triton", "cuda")
 
 
 def test_kv_cache_size_matches_allocation(models):

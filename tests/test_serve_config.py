@@ -89,6 +89,34 @@ def test_cli_serve_has_the_design_flags() -> None:
     )
 
 
+def test_scheduling_and_admission_flags_reach_the_configs(tmp_path) -> None:
+    flags = ["--scheduler", "preemptive-sjf", "--aging-bound-s", "inf", "--preemption-threshold",
+             "0.25", "--preemption-cooldown-s", "0", "--max-waiting-requests", "7", "--max-n", "3",
+             "--max-request-body-bytes", "2048", "--request-timeout", "1.5"]  # fmt: skip
+    args = vars(build_parser().parse_args(["serve", *flags]))
+    overrides = {k: v for k, v in args.items() if k not in ("command", "func", "config")}
+    engine, server = build_serve_config(None, overrides)
+    knobs = (engine.aging_bound_s, engine.preemption_threshold, engine.preemption_cooldown_s)
+    assert knobs == (float("inf"), 0.25, 0.0)
+    limits = (server.max_waiting_requests, server.max_n, server.max_request_body_bytes)
+    assert limits == (7, 3, 2048)
+    assert server.request_timeout == 1.5
+    config = tmp_path / "c.yaml"
+    config.write_text("aging-bound-s: .inf\nrequest_timeout: 30\nmax_n: 4\n")
+    engine, server = build_serve_config(config, {})
+    assert (engine.aging_bound_s, server.request_timeout, server.max_n) == (float("inf"), 30, 4)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("max_waiting_requests", 0), ("max_n", -1), ("max_request_body_bytes", 1.5),
+     ("request_timeout", 0), ("request_timeout", float("inf")), ("preemption_threshold", 2)],
+)  # fmt: skip
+def test_bad_limits_are_clear_errors(key, value) -> None:
+    with pytest.raises(ValueError, match=key):
+        build_serve_config(None, {key: value})
+
+
 def _dockerfile_json(instruction: str) -> list[list[str]]:
     """The exec-form arguments of every `instruction` line of the Dockerfile."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")

@@ -109,6 +109,15 @@ BAD_REQUESTS = [
         "messages",
     ),
     ("detokenize bad id", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("deadline negative", CMPL, _p(deadline=-1), 400, "deadline"),
+    ("deadline zero", CMPL, _p(deadline=0), 400, "deadline"),
+    ("deadline string", CMPL, _p(deadline="soon"), 400, "deadline"),
+    ("chat deadline negative", CHAT, _m(deadline=-0.5), 400, "deadline"),
+    ("length_hint zero", CMPL, _p(length_hint=0), 400, "length_hint"),
+    ("length_hint float", CHAT, _m(length_hint=1.5), 400, "length_hint"),
+    ("priority out of range", CMPL, _p(priority=2**40), 400, "priority"),
+    ("priority string", CHAT, _m(priority="high"), 400, "priority"),
+    ("n above the cap", CMPL, _p(n=17), 400, "n"),
     ("unknown route", "/v1/embeddings", {"input": "x"}, 404, None),
 ]
 

@@ -1,15 +1,18 @@
-"""AsyncLLM: one background asyncio task drives LLMEngine; each request gets its own stream.
+"""AsyncLLM: LLMEngine behind an asyncio API; each request gets its own stream of deltas.
 
-    generate() ──► pending adds ─┐                 ┌─► worker thread: engine.step()
-    abort()    ──► pending aborts┴─► loop task ────┤   (the event loop keeps serving HTTP)
-        ▲                                          └─► dispatch: delta outputs to each
-        └───────────── per-request asyncio.Queue ◄───── request's queue, metrics
+    generate() ──► EngineThread.add ──┐   engine thread: apply adds/aborts, step, step, ...
+    abort()    ──► EngineThread.abort ┘        │ emit(outputs, stats) per step
+        ▲                                      ▼ call_soon_threadsafe
+        └──── RequestStream.queue ◄──── _on_step (event loop): deltas to each request's
+                                        queue, metrics
 
-Invariant: only the loop task touches the engine's mutable state, and only between steps
-(adds, aborts) or through the single worker thread (one step at a time). Callers only make
-read-only checks (tokenizer, `check_prompt`). Requests therefore join and leave between steps.
-An exception inside a step fails the requests that step scheduled and the loop goes on; only an
-error the loop cannot recover from makes the engine dead (`check_health` raises).
+The engine thread steps back to back and never waits for the event loop, which meanwhile
+serves HTTP and streams the previous step's deltas. Only that thread changes the engine;
+callers here make read-only checks (tokenizer, `check_prompt`, queue lengths), so requests
+join and leave between steps. A fault of one request fails only it; an exception of a whole
+step fails the requests that step scheduled; only an error that recovery cannot handle makes
+the engine dead (`check_health` raises). `check_admission` refuses new work (HTTP 503) while
+more than `max_waiting_requests` sequences wait.
 """
 
 from __future__ import annotations
@@ -19,37 +22,28 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from conveyor.config import EngineConfig
 from conveyor.engine import LLMEngine
+from conveyor.engine_thread import EngineThread, StepStats
 from conveyor.metrics import EngineMetrics
 from conveyor.outputs import RequestOutput
+from conveyor.request_stream import (
+    EngineNotRunningError,
+    EngineOverloadedError,
+    RequestFailedError,
+    RequestStream,
+)
 from conveyor.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "EngineNotRunningError", "EngineOverloadedError", "RequestFailedError"]
 
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "conveyor-demo"
-
-
-class EngineNotRunningError(RuntimeError):
-    """The engine loop is dead, stopped or shutting down: no request can run (HTTP 503)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The request failed inside the engine (the step it was in raised); HTTP 500."""
-
-
-@dataclass(slots=True)
-class _Stream:
-    arrival_time: float
-    num_prompt_tokens: int
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    last_token_time: float | None = None
-    abandoned: bool = False  # its consumer left; kept until the abort's output is counted
+_SHUTDOWN_REASON = "server shutting down: the request did not finish within the grace period"
 
 
 class AsyncLLM:
@@ -61,6 +55,8 @@ class AsyncLLM:
         served_model_name: the name reported in metrics (default: `model`, or
             "conveyor-demo").
         log_stats_interval_s: seconds between throughput log lines while busy (0: never).
+        max_waiting_requests: most sequences that may wait for admission before
+            `check_admission` refuses more; None: one per KV block, at least max_num_seqs.
         **kwargs: any EngineConfig field, as for `LLM`.
     """
 
@@ -71,6 +67,7 @@ class AsyncLLM:
         config: EngineConfig | None = None,
         served_model_name: str | None = None,
         log_stats_interval_s: float = 5.0,
+        max_waiting_requests: int | None = None,
         **kwargs: Any,
     ) -> None:
         if config is None:
@@ -84,30 +81,39 @@ class AsyncLLM:
         self.model_path = self.engine.model_path
         self.model_name = served_model_name or config.model or DEMO_MODEL_NAME
         self.metrics = EngineMetrics(self.model_name, log_stats_interval_s)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="conveyor-step")
-        self._streams: dict[str, _Stream] = {}
-        self._pending_adds: list[tuple[str, str | list[int], list[int], SamplingParams]] = []
-        self._pending_aborts: list[str] = []
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        if max_waiting_requests is None:  # the scheduler resolved num_kv_blocks
+            max_waiting_requests = max(config.num_kv_blocks or 1, config.max_num_seqs)
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}.")
+        self.max_waiting_requests = max_waiting_requests
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = EngineThread(
+            self.engine,
+            emit=lambda outputs, stats: self._post(self._on_step, outputs, stats),
+            reject=lambda request_id, exc: self._post(self._reject, request_id, exc),
+            on_dead=self._on_dead,
+        )
         self._dead: BaseException | None = None
         self._stopping = False
-        self._abort_deadline: float | None = None
         self._ids = itertools.count()
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
-        """Build from a ready EngineConfig (kwargs: served_model_name, log_stats_interval_s)."""
+        """Build from a ready EngineConfig (kwargs: served_model_name, log_stats_interval_s,
+        max_waiting_requests)."""
         return cls(config=config, **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start the background loop on the running event loop (generate() also does)."""
+        """Start the engine thread; outputs go to the running event loop (generate() also
+        starts it)."""
         self._ensure_started()
 
     def _ensure_started(self) -> None:
-        if self._task is None and not self._stopping:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="conveyor-loop")
+        if not self._thread.started and not self._stopping:
+            self._loop = asyncio.get_running_loop()
+            self._thread.start()
 
     def check_health(self) -> None:
         """Raise EngineNotRunningError unless the loop can serve requests."""
@@ -115,31 +121,52 @@ class AsyncLLM:
             raise EngineNotRunningError(f"The engine failed and stopped: {self._dead!r}")
         if self._stopping:
             raise EngineNotRunningError("The server is shutting down.")
-        if self._task is not None and self._task.done():
+        if self._thread.started and not self._thread.alive:
             raise EngineNotRunningError("The engine loop has stopped.")
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop admitting requests; abort the ones still running after `grace_s` seconds."""
         self._stopping = True
-        self._abort_deadline = time.monotonic() + max(0.0, grace_s)
-        self._wakeup.set()
+        self._thread.abort_all_at(time.monotonic() + max(0.0, grace_s), _SHUTDOWN_REASON)
 
     async def shutdown(self) -> None:
-        """Abort every request (their streams end with finish_reason "abort"), stop the loop."""
+        """Abort every request (their streams end with finish_reason "abort"), stop the
+        engine thread."""
         self._stopping = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        # A step may still run in the worker thread: wait for it before touching the engine.
-        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
-        if self._dead is None:
-            self._apply_pending()
-            self._dispatch(self.engine.abort_request(list(self._streams)))
+        # The thread emits the aborts before it ends; they reach the loop before this await.
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.stop, _SHUTDOWN_REASON)
+        await asyncio.sleep(0)
         self._fail_all(EngineNotRunningError("The engine has shut down."))
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests whose stream has not ended yet (queued, waiting or running)."""
+        return len(self._streams)
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences not yet running: queued for the loop plus the scheduler's waiting ones."""
+        return self.engine.scheduler.num_waiting + self._thread.num_queued_seqs
+
     # ------------------------------------------------------------------ requests
+    def check_admission(self, num_seqs: int = 1) -> None:
+        """Refuse new work while the waiting queue is full (call before generate()).
+
+        Args:
+            num_seqs: sequences the new request(s) would add (n per prompt).
+        Raises:
+            EngineOverloadedError: more than `max_waiting_requests` would wait. A request
+                that finds the queue empty is always admitted, whatever its size.
+            EngineNotRunningError: the engine is dead or shutting down.
+        """
+        self.check_health()
+        waiting = self.num_waiting_seqs
+        if waiting and waiting + num_seqs > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"The server is overloaded: {waiting} sequences are waiting "
+                f"(at most {self.max_waiting_requests}). Retry later."
+            )
+
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if this prompt can never run (read-only; safe during a step)."""
         self.engine.check_prompt(prompt_ids, params)
@@ -182,30 +209,10 @@ class AsyncLLM:
         else:
             ids = list(prompt)
         self.engine.check_prompt(ids, params)
-        stream = _Stream(time.monotonic(), len(ids))
+        stream = RequestStream(request_id, time.monotonic(), len(ids), self._abort_soon)
         self._streams[request_id] = stream
-        self._pending_adds.append((request_id, prompt, ids, params))
-        self._wakeup.set()
-        return self._iterate(request_id, stream)
-
-    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        done = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                if item.error is not None:
-                    done = True
-                    raise RequestFailedError(item.error)
-                done = item.finished
-                yield item
-                if done:
-                    return
-        finally:
-            if not done:  # the consumer left early: free the request's blocks
-                self._abort_soon(request_id)
+        self._thread.add(request_id, prompt, ids, params, stream.arrival_time)
+        return stream.outputs()
 
     async def abort(self, request_id: str) -> None:
         """End a request with finish_reason "abort" and free its blocks; its stream gets a
@@ -214,84 +221,32 @@ class AsyncLLM:
         Args:
             request_id: the id given to (or made by) generate().
         """
+        self._abort_soon(request_id, abandoned=False)
+
+    def _abort_soon(self, request_id: str, abandoned: bool = True) -> None:
+        """Queue an abort for the engine; `abandoned`: nobody reads the stream any more."""
         stream = self._streams.get(request_id)
         if stream is not None and not stream.abandoned:
-            self._pending_aborts.append(request_id)
-            self._wakeup.set()
+            stream.abandoned = abandoned
+            self._thread.abort(request_id)
 
-    def _abort_soon(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None and not stream.abandoned:
-            stream.abandoned = True
-            self._pending_aborts.append(request_id)
-            self._wakeup.set()
+    # ------------------------------------------------------------------ from the thread
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        """Run `callback(*args)` on the event loop (called from the engine thread)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(callback, *args)  # type: ignore[union-attr]
 
-    # ------------------------------------------------------------------ loop
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        engine = self.engine
-        try:
-            while True:
-                self._apply_pending()
-                deadline = self._abort_deadline
-                if deadline is not None and time.monotonic() >= deadline and self._streams:
-                    n = len(self._streams)
-                    logger.warning("Shutdown grace period is over: aborting %d requests.", n)
-                    self._dispatch(engine.abort_request(list(self._streams)))
-                if not engine.has_unfinished_requests():
-                    # Every stream's request is in the engine once pending adds are applied.
-                    self._fail_all(RequestFailedError("The engine lost this request."))
-                    self._record_state()
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                try:
-                    outputs = await loop.run_in_executor(self._executor, engine.step)
-                except Exception as exc:
-                    outputs = self._fail_step(exc)
-                self._dispatch(outputs)
-                self._record_state(engine.last_step_num_tokens)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # the loop cannot go on: the engine is dead
-            logger.exception("The engine loop failed; the engine is dead.")
-            self._dead = exc
-            self._fail_all(EngineNotRunningError(f"The engine failed and stopped: {exc!r}"))
+    def _on_dead(self, exc: BaseException) -> None:
+        self._dead = exc
+        self._post(self._fail_all, EngineNotRunningError(f"The engine failed and stopped: {exc!r}"))
 
-    def _apply_pending(self) -> None:
-        adds, self._pending_adds = self._pending_adds, []
-        for request_id, prompt, ids, params in adds:
-            stream = self._streams.get(request_id)
-            if stream is None or stream.abandoned:  # its consumer already left
-                self._streams.pop(request_id, None)
-                continue
-            try:
-                self.engine.add_request(
-                    request_id,
-                    prompt,
-                    params,
-                    arrival_time=stream.arrival_time,
-                    stream=True,
-                    prompt_token_ids=ids,
-                    delta=True,
-                )
-            except ValueError as exc:
-                del self._streams[request_id]
-                stream.queue.put_nowait(exc)
-        aborts, self._pending_aborts = self._pending_aborts, []
-        if aborts:
-            self._dispatch(self.engine.abort_request(aborts))
+    def _reject(self, request_id: str, exc: ValueError) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(exc)
 
-    def _fail_step(self, exc: Exception) -> list[RequestOutput]:
-        """Fail the requests of the step that raised; the others keep running."""
-        logger.exception("An engine step failed; failing the requests it scheduled.")
-        outputs = self.engine.abort_step()
-        message = f"The engine failed while running this request ({type(exc).__name__})."
-        for out in outputs:
-            out.error = message
-        return outputs
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _on_step(self, outputs: list[RequestOutput], stats: StepStats) -> None:
+        """Hand one step's deltas to their streams and account them."""
         now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -304,16 +259,13 @@ class AsyncLLM:
                 del self._streams[out.request_id]
             if not stream.abandoned:
                 stream.queue.put_nowait(out)
-
-    def _record_state(self, num_tokens: int = 0) -> None:
-        sched = self.engine.scheduler
         self.metrics.record_step(
-            num_tokens, sched.num_running, sched.num_waiting, sched.kv_usage, sched.num_preemptions
-        )
-        self.metrics.maybe_log(time.monotonic())
+            stats.num_tokens, stats.num_running, stats.num_waiting, stats.kv_usage,
+            stats.num_preemptions,
+        )  # fmt: skip
+        self.metrics.maybe_log(now)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
-        self._pending_adds.clear()
         for stream in streams.values():
             stream.queue.put_nowait(exc)

@@ -92,7 +92,16 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--dtype", help="auto, float32, float16 or bfloat16")
     add("--device", help="auto, cpu or cuda")
     add("--attention-backend", metavar="NAME", help="auto, torch or triton")
+    add("--kv-cache-dtype", metavar="DTYPE", help="auto (the model's) or int8 (~2x the blocks)")
     add("--seed", type=int, help="engine seed for requests without their own")
+    add("--aging-bound-s", type=float, metavar="S", help="sjf family: aging bound (10; inf: off)")
+    add("--preemption-threshold", type=float, metavar="F", help="preemptive-sjf threshold (0.5)")
+    add("--preemption-cooldown-s", type=float, metavar="S", help="preemptive-sjf cooldown (0.5)")
+    add("--max-waiting-requests", type=int, metavar="N", help="waiting sequences before 503 "
+        "(default: one per KV block)")  # fmt: skip
+    add("--max-n", type=int, metavar="N", help="largest n one request may ask for (16)")
+    add("--max-request-body-bytes", type=int, metavar="B", help="larger bodies get 413 (10 MiB)")
+    add("--request-timeout", type=float, metavar="S", help="abort requests after S s (no limit)")
     add("--shutdown-timeout", type=float, metavar="S", help="grace period on SIGTERM (10)")
     add("--log-level", help="critical, error, warning, info (default) or debug")
     add("--log-stats-interval", type=float, metavar="S", help="stats log period (5; 0: off)")
@@ -211,11 +220,34 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    from conveyor.bench_serve import add_arguments
+
+    parser = commands.add_parser("bench", help="benchmarks (`conveyor bench serve`)")
+    benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    serve = benches.add_parser(
+        "serve",
+        help="drive a running server and report throughput and latencies",
+        description="Send a synthetic or JSONL workload to a running server's /v1/completions "
+        "as streams (Poisson arrivals or all at once) and report successful and failed "
+        "requests, throughput, and TTFT / TPOT / ITL / E2E latency like `vllm bench serve`.",
+    )
+    add_arguments(serve)
+    serve.set_defaults(func=_bench_serve)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from conveyor.bench_serve import main as bench_main
+
+    return bench_main(args)
+
+
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_demo_model,
     _add_generate,
     _add_serve,
     _add_simulate,
+    _add_bench,
 )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -30,6 +31,9 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: str = "auto"
     dtype: str = "auto"
+    # "int8": K/V stored as int8 with a scale per token and head, about half of fp16's bytes,
+    # so about twice the blocks for the same kv_cache_space_gb.
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     # Scheduling policy knobs (see core/policies.py). Times are seconds of the engine clock.
@@ -58,6 +62,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_space_gb must be > 0, got {self.kv_cache_space_gb}.")
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("dtype", self.dtype, DTYPES)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("device", self.device, DEVICES)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")

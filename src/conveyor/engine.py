@@ -5,6 +5,9 @@ per-sequence text state (incremental detokenizer, logprobs). A request with n > 
 into n sequences `"{request_id}#{i}"` that are scheduled independently and reported together.
 A request added with `delta=True` reports only what is new since its previous output (AsyncLLM
 streams these); otherwise outputs are cumulative.
+A fault of one request (non-finite logits, made an invalid token by the logits guard; an
+exception in its detokenizer, stop strings or logprobs) fails it alone: finish_reason "abort",
+`error` set, blocks freed; the step goes on for the others.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ import time
 from conveyor.config import EngineConfig
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.scheduler import Scheduler
+from conveyor.logits_guard import FiniteLogitsGuard
 from conveyor.model.runner import ModelRunner
-from conveyor.model.sampler import TokenLogprobs
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
 from conveyor.sequence import ParentRequest, SequenceState
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+class InvalidTokenError(RuntimeError):
+    """A request was sampled a token outside the vocabulary (its logits were not finite)."""
 
 
 class LLMEngine:
@@ -37,6 +44,7 @@ class LLMEngine:
         self.model_path = model_path
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_path)
         self.runner = ModelRunner(config, model_path)
+        self.runner.sampler = FiniteLogitsGuard(self.runner.sampler)
         # Resolve what the checkpoint and the memory budget decide, then build the scheduler.
         config.num_kv_blocks = self.runner.num_kv_blocks
         config.max_model_len = self.runner.max_model_len
@@ -79,7 +87,7 @@ class LLMEngine:
         else:
             prompt_text, prompt_ids = None, list(prompt)
         max_tokens = self.check_prompt(prompt_ids, params)
-        params = self._with_generation_eos(params)
+        params = self.tokenizer.with_generation_eos(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentRequest(
             request_id, prompt_text, prompt_ids, stream, delta, RequestMetrics(arrival)
@@ -143,20 +151,14 @@ class LLMEngine:
             )
         return max_tokens
 
-    def _with_generation_eos(self, params: SamplingParams) -> SamplingParams:
-        """Extra eos ids from generation_config.json stop the request like eos does."""
-        extra = [
-            t
-            for t in self.tokenizer.eos_token_ids
-            if t != self.tokenizer.eos_token_id and t not in params.stop_token_ids
-        ]
-        if params.ignore_eos or not extra:
-            return params
-        return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
-
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+    def abort_request(
+        self, request_ids: str | list[str], reason: str | None = None
+    ) -> list[RequestOutput]:
         """End requests with finish_reason "abort" and free their blocks at once.
 
+        Args:
+            request_ids: the requests to end (unknown ids are ignored).
+            reason: reported as each sequence's `abort_reason` (None: a caller's abort).
         Returns:
             the final output of each aborted request that was still known.
         """
@@ -167,6 +169,9 @@ class LLMEngine:
             parent = self._parents.get(rid)
             if parent is None:
                 continue
+            for s in parent.seqs:
+                if reason is not None and not s.request.is_finished:
+                    s.request.abort_reason = reason
             self.scheduler.finish_requests(
                 [s.request.request_id for s in parent.seqs], RequestStatus.FINISHED_ABORTED
             )
@@ -198,6 +203,9 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._parents)
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, update requests, report outputs.
@@ -226,15 +234,29 @@ class LLMEngine:
             return expired
         tokens = {r.request_id: t for r, t in zip(sampled, sampler_out.token_ids, strict=True)}
         logprobs = dict(zip(tokens, sampler_out.logprobs, strict=True))
-        updated = self.scheduler.update_from_output(sched_out, tokens)
+        outputs = expired
+        vocab = self.runner.vocab_size
+        for rid in [rid for rid, t in tokens.items() if not 0 <= t < vocab]:
+            seq = self._seqs.get(rid)
+            if seq is not None:  # None: it failed through a sibling sequence already
+                error = InvalidTokenError(f"token {tokens[rid]} sampled for {rid!r}")
+                outputs.append(self._fail(seq.parent_id, error))
+        updated = self.scheduler.update_from_output(sched_out, tokens)  # skips failed ones
 
         touched: dict[str, ParentRequest] = {}
+        decode = self.tokenizer.id_to_token_text
         for req in updated:
-            seq = self._seqs[req.request_id]
-            self._update_sequence(seq, tokens[req.request_id], logprobs[req.request_id])
-            parent = self._parents[seq.parent_id]
-            touched[parent.request_id] = parent
-        outputs = expired
+            seq = self._seqs.get(req.request_id)
+            if seq is None:  # its request failed through a sibling sequence in this loop
+                continue
+            try:
+                if seq.update(tokens[req.request_id], logprobs[req.request_id], decode):
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            except Exception as exc:
+                touched.pop(seq.parent_id, None)
+                outputs.append(self._fail(seq.parent_id, exc))
+                continue
+            touched[seq.parent_id] = self._parents[seq.parent_id]
         now = time.monotonic()
         for parent in touched.values():
             if parent.metrics.first_token_time is None:
@@ -263,21 +285,16 @@ class LLMEngine:
                 self._forget(parent)
         return outputs
 
-    def _update_sequence(self, seq: SequenceState, token_id: int, lp: TokenLogprobs | None) -> None:
-        req = seq.request
-        if lp is not None:
-            seq.add_logprobs(lp, self.tokenizer.id_to_token_text)
-        # eos / a stop token id ended it: like vLLM, its text is not part of the output.
-        stop_token = req.status == RequestStatus.FINISHED_STOPPED
-        stop = seq.detokenizer.update([token_id], stop_terminated=stop_token)
-        if stop is not None:
-            req.stop_reason = stop
-            if req.is_finished:
-                # The same token also hit eos or max_tokens: the stop string decides.
-                req.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        seq.text += seq.detokenizer.get_delta(req.is_finished)
+    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
+        """Fail one request for a fault of its own: abort it, free its blocks, forget it.
+
+        Returns:
+            its final output (finish_reason "abort"), with `error` set for the caller.
+        """
+        logger.error("Request %s failed; the engine goes on without it.", request_id, exc_info=exc)
+        (out,) = self.abort_request(request_id)
+        out.error = f"The engine failed while running this request ({type(exc).__name__})."
+        return out
 
     def _forget(self, parent: ParentRequest) -> None:
         del self._parents[parent.request_id]

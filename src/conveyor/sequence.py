@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conveyor.core.request import Request
+from conveyor.core.request import Request, RequestStatus
 from conveyor.model.sampler import TokenLogprobs
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from conveyor.tokenizer import IncrementalDetokenizer
@@ -40,6 +40,26 @@ class SequenceState:
                 entry[tid] = Logprob(value, rank, decode(tid))
         self.logprobs.append(entry)
         self.cumulative_logprob += lp.logprob
+
+    def update(self, token_id: int, lp: TokenLogprobs | None, decode: Callable[[int], str]) -> bool:
+        """Take the token a step sampled (already appended to the request by the scheduler):
+        record its logprobs, detokenize it, look for stop strings.
+
+        Returns:
+            True if a stop string ended the sequence: the caller must finish it as stopped.
+        """
+        req = self.request
+        if lp is not None:
+            self.add_logprobs(lp, decode)
+        # eos / a stop token id ended it: like vLLM, its text is not part of the output.
+        stop_token = req.status == RequestStatus.FINISHED_STOPPED
+        stop = self.detokenizer.update([token_id], stop_terminated=stop_token)
+        if stop is not None:
+            req.stop_reason = stop
+            if req.is_finished:  # the same token also hit eos or max_tokens: the stop string
+                req.status = RequestStatus.FINISHED_STOPPED  # decides
+        self.text += self.detokenizer.get_delta(req.is_finished or stop is not None)
+        return stop is not None and not req.is_finished
 
     def completion(self, delta: bool) -> CompletionOutput:
         """This sequence as a CompletionOutput: cumulative, or only what is new if delta."""

@@ -9,6 +9,7 @@ only in the tail that a new token could have completed, and `get_delta` keeps ba
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -60,6 +61,15 @@ class Tokenizer:
             raise ValueError(f"tokenizer directory not found: {str(path)!r}")
         hf = AutoTokenizer.from_pretrained(str(path))
         return cls(hf, _generation_eos_ids(Path(path)))
+
+    def with_generation_eos(self, params: SamplingParams) -> SamplingParams:
+        """`params` plus the extra eos ids (generation_config.json) as stop token ids, so they
+        stop the request like eos does (unless ignore_eos)."""
+        eos = self.eos_token_id
+        extra = [t for t in self.eos_token_ids if t != eos and t not in params.stop_token_ids]
+        if params.ignore_eos or not extra:
+            return params
+        return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the tokenizer's BOS etc. when add_special_tokens)."""

@@ -24,6 +24,7 @@ from conveyor.model.attention import (
     AttentionMetadata,
     get_attention_backend,
 )
+from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -124,7 +125,7 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
@@ -155,7 +156,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -221,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Run one flat varlen batch.
@@ -229,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         Args:
             input_ids: int64 [T] new tokens of every request, batch order.
             positions: int64 [T] their positions (< max_position_embeddings).
-            kv_caches: one [2, num_blocks, block_size, Hkv, D] tensor per layer (written).
+            kv_caches: one cache per layer (see conveyor.model.kv_cache; written).
             meta: the step's AttentionMetadata.
         Returns:
             final-norm hidden states [T, hidden_size].

@@ -24,11 +24,8 @@ import torch
 from conveyor.config import EngineConfig
 from conveyor.core.request import Request
 from conveyor.core.scheduler import SchedulerOutput
-from conveyor.model.attention import (
-    AttentionMetadata,
-    allocate_kv_caches,
-    kv_cache_bytes_per_block,
-)
+from conveyor.model.attention import AttentionMetadata
+from conveyor.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from conveyor.model.loader import load_model
 from conveyor.model.sampler import Sampler, SamplerOutput
 
@@ -67,19 +64,21 @@ class ModelRunner:
         self.max_model_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
-        bytes_per_block = kv_cache_bytes_per_block(mcfg, self.block_size, self.dtype)
+        kv_dtype = config.kv_cache_dtype
+        bytes_per_block = kv_cache_bytes_per_block(mcfg, self.block_size, self.dtype, kv_dtype)
         if config.num_kv_blocks is not None:
             self.num_kv_blocks = config.num_kv_blocks
         else:
             budget = int(config.kv_cache_space_gb * (1 << 30))
             self.num_kv_blocks = max(1, budget // bytes_per_block)
         self.kv_caches = allocate_kv_caches(
-            mcfg, self.num_kv_blocks, self.block_size, self.dtype, self.device
+            mcfg, self.num_kv_blocks, self.block_size, self.dtype, self.device, kv_dtype
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
             self.num_kv_blocks,
             self.block_size,
+            "int8" if kv_dtype == "int8" else str(self.dtype).removeprefix("torch."),
             self.num_kv_blocks * bytes_per_block / 2**20,
         )
         self.sampler = Sampler(self.vocab_size, config.seed, self.device)

@@ -18,8 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from conveyor import __version__
 from conveyor.async_engine import AsyncLLM, EngineNotRunningError
+from conveyor.server.admission import BodySizeLimit
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
+from conveyor.server.config import ServerConfig
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError, error_body, error_response, install_error_handlers
 from conveyor.server.protocol import (
@@ -56,13 +58,17 @@ class _APIKeyMiddleware:
         await JSONResponse(error_body(message, 401), status_code=401)(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM, api_key: str | None = None, config: ServerConfig | None = None
+) -> FastAPI:
     """Build the OpenAI-compatible app around an AsyncLLM.
 
     Args:
         engine: the engine; the app's lifespan starts its loop and shuts it down.
         api_key: when set, every route but /health, /version and /metrics needs
-            `Authorization: Bearer <api_key>`.
+            `Authorization: Bearer <api_key>` (default: config.api_key).
+        config: the limits (max_n, max_request_body_bytes, request_timeout); the
+            engine holds max_waiting_requests. Default: ServerConfig's defaults.
     Returns:
         The FastAPI app (serve it with uvicorn).
     """
@@ -77,7 +83,11 @@ def build_app(engine: AsyncLLM, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="conveyor", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    ctx = ServingContext(engine, engine.model_name, engine.model_path)
+    config = config or ServerConfig()
+    api_key = api_key or config.api_key
+    ctx = ServingContext(
+        engine, engine.model_name, engine.model_path, config.max_n, config.request_timeout
+    )
     app.state.ctx = ctx
 
     @app.post("/v1/completions")
@@ -135,4 +145,6 @@ def build_app(engine: AsyncLLM, api_key: str | None = None) -> FastAPI:
 
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    # Added last, so outermost: an oversized body is refused before anything else runs.
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     return app

@@ -23,6 +23,7 @@ from conveyor.server.responses import (
     ChatResponseMessage,
     DeltaMessage,
     random_id,
+    stop_reason,
     usage,
 )
 from conveyor.server.streaming import sse, sse_response
@@ -47,11 +48,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = req.max_completion_tokens
     if max_tokens is None:
         max_tokens = req.max_tokens
-    params = req.sampling_params(max_tokens, top)
+    params = ctx.with_timeout(req.sampling_params(max_tokens, top))
     prompt_ids = ctx.render_chat(
         req.messages, bool(req.add_generation_prompt), req.chat_template_kwargs
     )
     ctx.check_fits(prompt_ids, max_tokens, params, "messages")
+    ctx.admit(params.n)
     request_id = random_id("chatcmpl")
     stream = ctx.engine.generate(prompt_ids, params, request_id)
     if req.stream:
@@ -83,7 +85,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             if top is None or c.logprobs is None
             else chat_logprobs(c.token_ids, c.logprobs, top),
             finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+            stop_reason=stop_reason(c),
         )
         for c in final.outputs
     ]
@@ -144,7 +146,7 @@ async def _stream(
                 finish_reason=c.finish_reason,
             )
             if c.finish_reason is not None:
-                choice.stop_reason = c.stop_reason
+                choice.stop_reason = stop_reason(c)
             yield chunk([choice])
     if include_usage:
         yield sse(

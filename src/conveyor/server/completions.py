@@ -17,6 +17,7 @@ from conveyor.server.responses import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     random_id,
+    stop_reason,
     usage,
 )
 from conveyor.server.streaming import merge_streams, sse, sse_response
@@ -37,7 +38,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
             "echo together with logprobs is not supported: prompt logprobs are not computed.",
             param="echo",
         )
-    params = req.sampling_params(req.max_tokens, req.logprobs)
+    params = ctx.with_timeout(req.sampling_params(req.max_tokens, req.logprobs))
     engine = ctx.engine
     prompts = req.prompts()
     prompt_ids = [ctx.tokenize_prompt(p) for p in prompts]
@@ -49,6 +50,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
             p if isinstance(p, str) else engine.tokenizer.decode(ids)
             for p, ids in zip(prompts, prompt_ids, strict=True)
         ]
+    ctx.admit(params.n, len(prompts))
     request_id = random_id("cmpl")
     streams = [
         engine.generate(p, params, f"{request_id}-{i}", prompt_token_ids=ids)
@@ -92,7 +94,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
                     text=text,
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
+                    stop_reason=stop_reason(c),
                 )
             )
     body = CompletionResponse(
@@ -144,7 +146,7 @@ async def _stream(
                 text=text,
                 logprobs=logprobs,
                 finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+                stop_reason=stop_reason(c),
             )
             chunk = CompletionStreamResponse(
                 id=request_id, created=created, model=ctx.model_name, choices=[choice]

@@ -29,6 +29,11 @@ class ServerConfig:
     shutdown_timeout: float = 10.0  # seconds in-flight requests may finish after SIGTERM
     log_level: str = "info"
     log_stats_interval: float = 5.0  # seconds between throughput log lines; 0 disables
+    # Admission control and limits: beyond them a request is refused at once.
+    max_waiting_requests: int | None = None  # waiting sequences before 503; None: one per block
+    max_n: int = 16  # largest `n` (samples per prompt) one request may ask for (else 400)
+    max_request_body_bytes: int = 10 * 2**20  # larger request bodies get 413
+    request_timeout: float | None = None  # seconds; a request unfinished then ends with "abort"
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -43,6 +48,21 @@ class ServerConfig:
         if self.log_level not in LOG_LEVELS:
             allowed = ", ".join(LOG_LEVELS)
             raise ValueError(f"log_level must be one of {allowed}; got {self.log_level!r}.")
+        for name in ("max_waiting_requests", "max_n", "max_request_body_bytes"):
+            value = getattr(self, name)
+            if value is None and name == "max_waiting_requests":
+                continue  # sized to the KV cache by the engine
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        timeout = self.request_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < float("inf")
+        ):
+            raise ValueError(
+                f"request_timeout must be a positive number of seconds, got {timeout!r}."
+            )
         for name in ("api_key", "served_model_name"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +18,34 @@ class ServingContext:
     engine: the running AsyncLLM.
     model_name: the one model name clients must send (or leave out).
     model_path: reported as the model's `root` in /v1/models.
+    max_n: the largest `n` a request may ask for (None: no cap).
+    request_timeout: seconds after which any request ends with "abort" (None: only its own
+        `deadline`, if any).
     """
 
     engine: AsyncLLM
     model_name: str
     model_path: str | None = None
+    max_n: int | None = None
+    request_timeout: float | None = None
+
+    def admit(self, n: int, num_prompts: int = 1) -> None:
+        """Admission control before anything is queued.
+
+        Raises:
+            APIError: n above the server's cap (400).
+            EngineOverloadedError: the waiting queue is full (503 with Retry-After).
+        """
+        if self.max_n is not None and n > self.max_n:
+            raise APIError(f"n must be at most {self.max_n} on this server, got {n}.", param="n")
+        self.engine.check_admission(n * num_prompts)
+
+    def with_timeout(self, params: SamplingParams) -> SamplingParams:
+        """The request's deadline capped by the server's request_timeout."""
+        timeout = self.request_timeout
+        if timeout is None or (params.deadline is not None and params.deadline <= timeout):
+            return params
+        return dataclasses.replace(params, deadline=timeout)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is the served name (None means the served model, as in vLLM)."""

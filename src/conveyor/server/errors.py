@@ -3,7 +3,9 @@
     pydantic RequestValidationError (422), malformed JSON  -> 400 BadRequestError, param = field
     APIError / ValueError (SamplingParams, engine checks)  -> 400 (or the APIError's status)
     unknown route / method                                  -> 404 / 405
+    body over max_request_body_bytes (server/admission.py)  -> 413
     EngineNotRunningError (dead engine, shutting down)      -> 503 ServiceUnavailableError
+    EngineOverloadedError (waiting queue full)              -> 503 with a Retry-After header
     RequestFailedError, anything else                       -> 500, logged; never a traceback
 As in vLLM, `type` names the HTTP error (the openai SDK raises the matching exception) and
 `code` is the status.
@@ -21,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from conveyor.async_engine import EngineNotRunningError, RequestFailedError
+from conveyor.async_engine import EngineNotRunningError, EngineOverloadedError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestEntityTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -67,7 +70,7 @@ def classify(exc: BaseException, log: bool = True) -> tuple[int, str, str | None
         return exc.status, exc.message, exc.param
     if isinstance(exc, ValueError):
         return 400, str(exc), None
-    if isinstance(exc, EngineNotRunningError):
+    if isinstance(exc, (EngineNotRunningError, EngineOverloadedError)):
         return 503, str(exc), None
     if isinstance(exc, RequestFailedError):
         return 500, str(exc), None
@@ -108,9 +111,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def _known(_: Request, exc: Exception) -> JSONResponse:
         status, message, param = classify(exc)
-        return error_response(message, status, param)
+        response = error_response(message, status, param)
+        if isinstance(exc, EngineOverloadedError):
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
 
-    for known in (ValueError, EngineNotRunningError, RequestFailedError):
+    for known in (ValueError, EngineNotRunningError, EngineOverloadedError, RequestFailedError):
         app.add_exception_handler(known, _known)
 
     @app.exception_handler(Exception)

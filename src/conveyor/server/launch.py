@@ -1,17 +1,19 @@
 """run_server: build the engine and the app, serve with uvicorn, shut down gracefully.
 
 On SIGTERM or Ctrl-C:
-    t = 0      stop admitting (listening socket closed, new requests get 503, /health 503)
+    t = 0      stop admitting: new requests get 503, /health 503 (the socket stays open)
     0..grace   in-flight requests run on and finish normally
     t = grace  the rest are aborted: their streams end with finish_reason "abort" and [DONE]
-    then       the engine loop stops and the process exits
-A second Ctrl-C exits at once (uvicorn's force exit).
+    then       (or as soon as nothing is in flight) uvicorn closes the socket, the engine loop
+               stops and the process exits with status 0
+A second signal exits at once (uvicorn's force exit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 from types import FrameType
@@ -45,8 +47,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         engine_config,
         served_model_name=server_config.served_model_name,
         log_stats_interval_s=server_config.log_stats_interval,
+        max_waiting_requests=server_config.max_waiting_requests,
     )
-    app = build_app(engine, api_key=server_config.api_key)
+    app = build_app(engine, config=server_config)
     grace = server_config.shutdown_timeout
     config = uvicorn.Config(
         app,
@@ -65,6 +68,11 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         engine.max_model_len,
         "required" if server_config.api_key else "not required",
     )
+    # Everything built so far (model, tokenizer, app) lives until exit: keep the cyclic GC
+    # from rescanning it on every collection, which otherwise stalls streaming (and, through
+    # the GIL, the engine thread) under load.
+    gc.collect()
+    gc.freeze()
     server = _GracefulServer(config, engine, grace)
     # uvicorn re-raises a captured Ctrl-C once it has shut down: that is a normal exit.
     with contextlib.suppress(KeyboardInterrupt):
@@ -73,25 +81,49 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
 
 class _GracefulServer(uvicorn.Server):
-    """uvicorn.Server whose exit signal also starts the engine's shutdown grace period."""
+    """uvicorn.Server that drains the engine before it stops listening.
+
+    The first SIGTERM / Ctrl-C leaves uvicorn running: the engine stops admitting (new
+    requests and /health get 503) while in-flight requests go on. Once none is left, or the
+    grace period is over and the engine aborted the rest, uvicorn shuts down as usual: it
+    closes the socket, lets open responses end, runs the lifespan's shutdown. A second signal
+    exits at once (uvicorn's force exit). The signal is not re-raised afterwards, as uvicorn
+    would, so a drained server exits with status 0.
+    """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace: float) -> None:
         super().__init__(config)
         self._engine = engine
         self._grace = grace
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self._drain_task: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        first = not self.should_exit
-        super().handle_exit(sig, frame)
-        if first and self._loop is not None:
+        if self._draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            self.force_exit = self._draining
+        else:
+            self._draining = True
             logger.info(
                 "Shutting down: no new requests; in-flight ones have %.0f s to finish.",
                 self._grace,
             )
             # Signal handlers run between bytecodes of the loop's thread: hand over safely.
-            self._loop.call_soon_threadsafe(self._engine.begin_shutdown, self._grace)
+            self._loop.call_soon_threadsafe(self._begin_drain)
+        self._captured_signals.clear()  # exit 0 instead of re-raising the signal
+
+    def _begin_drain(self) -> None:
+        self._engine.begin_shutdown(self._grace)
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        """Stop uvicorn once every request has ended (the engine aborts what is left after the
+        grace period, so this ends by then)."""
+        while self._engine.num_unfinished_requests and not self.should_exit:
+            await asyncio.sleep(0.05)
+        self.should_exit = True

@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI-compatible requests (responses are in server/responses.py).
 
 Fields and defaults follow the OpenAI API plus vLLM's extensions (top_k, min_p,
-repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority, ...). Unknown fields are
+repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority, ...) and conveyor's
+scheduling fields (deadline, length_hint). Unknown fields are
 ignored, as vLLM does. Numbers and booleans are strict (`"max_tokens": "5"` or `true` is a 400,
 not silently coerced). `null` means "the default" everywhere. Ranges are checked once, by
 SamplingParams, whose ValueError names the field; `to_sampling_params` turns it into a 400.
@@ -51,6 +52,8 @@ class _GenerationRequest(OpenAIModel):
     include_stop_str_in_output: Bool | None = False
     skip_special_tokens: Bool | None = True
     priority: Int | None = 0
+    deadline: Float | None = None  # seconds from arrival; then finish_reason "abort"
+    length_hint: Int | None = None  # expected output tokens, for the sjf-family schedulers
     user: str | None = None
     stream: Bool | None = False
     stream_options: StreamOptions | None = None
@@ -92,6 +95,8 @@ class _GenerationRequest(OpenAIModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
             "priority": self.priority,
+            "deadline": self.deadline,
+            "length_hint": self.length_hint,
         }
         kwargs = {k: v for k, v in fields.items() if v is not None}
         try:

@@ -1,6 +1,8 @@
 """Pydantic models of what the server answers: responses, stream chunks, models, tokenize.
 
-Shapes follow OpenAI and vLLM (vLLM's `stop_reason` extension included). Stream chunks are
+Shapes follow OpenAI and vLLM (vLLM's `stop_reason` extension included: the stop string or
+token id that ended a choice, or, for finish_reason "abort", why the engine aborted it, e.g.
+"deadline exceeded: ..."; None for a client's abort). Stream chunks are
 serialized with `exclude_unset=True`, as vLLM does: a chat delta carries `role` only in the
 first chunk of a choice, and `usage` only where it was set.
 """
@@ -12,6 +14,15 @@ import uuid
 from typing import Literal
 
 from pydantic import BaseModel, Field
+
+from conveyor.outputs import CompletionOutput
+
+
+def stop_reason(c: CompletionOutput) -> int | str | None:
+    """vLLM's `stop_reason` of a choice; an aborted choice says why it was aborted."""
+    if c.finish_reason == "abort" and c.abort_reason:
+        return c.abort_reason
+    return c.stop_reason
 
 
 def random_id(prefix: str) -> str:

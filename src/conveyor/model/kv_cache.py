@@ -1,0 +1,155 @@
+"""The paged KV cache: layout, size per block, allocation, writes and the int8 format.
+
+One cache per layer: [2 (k|v), num_blocks, block_size, num_kv_heads, head_dim] in the model's
+dtype, or, with kv_cache_dtype="int8", a QuantizedKVCache: the same layout in int8 plus one
+fp32 scale per (token, head) for K and for V ([2, num_blocks, block_size, num_kv_heads]).
+
+    int8, symmetric absmax per token and head:
+        absmax = max(max_d |x[d]|, 1e-8)    scale = absmax * (1 / 127)
+        q[d]   = clamp(floor(x[d] * (127 / absmax) + 0.5), -127, 127)      x[d] ≈ q[d] * scale
+    so |x[d] - q[d] * scale| <= scale / 2 (plus fp32 rounding), and a token-head costs
+    D + 4 bytes instead of 2 * D in fp16: about twice the blocks for the same memory.
+
+The Triton write kernel (conveyor.kernels.write_kv) produces the same bytes as the torch
+functions here, which are its reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "int8")
+MIN_ABSMAX = 1e-8  # keep in sync with kernels/kv_write.py
+
+
+@dataclass(slots=True)
+class QuantizedKVCache:
+    """One layer's int8 paged K/V and its per-token, per-head dequantisation scales."""
+
+    data: torch.Tensor  # int8 [2, num_blocks, block_size, Hkv, D]
+    scales: torch.Tensor  # fp32 [2, num_blocks, block_size, Hkv]: x ≈ data * scales[..., None]
+
+
+KVCache = torch.Tensor | QuantizedKVCache
+
+
+class _KVShape(Protocol):
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+
+
+def _check_kv_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}."
+        )
+
+
+def kv_cache_bytes_per_block(
+    model_config: _KVShape, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
+    """Bytes one block costs across ALL layers (K and V): the unit the engine budgets in.
+
+    Args:
+        dtype: the model's dtype (the cache's with kv_cache_dtype "auto").
+        kv_cache_dtype: "auto" or "int8" (1 byte per element + a 4-byte scale per token-head).
+    """
+    _check_kv_dtype(kv_cache_dtype)
+    hkv, d = model_config.num_key_value_heads, model_config.head_dim
+    if kv_cache_dtype == "int8":
+        per_token_head = d + 4
+    else:
+        per_token_head = d * torch.empty((), dtype=dtype).element_size()
+    return 2 * block_size * hkv * per_token_head * model_config.num_hidden_layers
+
+
+def allocate_kv_caches(
+    model_config: _KVShape,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kv_cache_dtype: str = "auto",
+) -> list[KVCache]:
+    """One zeroed cache per layer: a [2, num_blocks, block_size, Hkv, D] tensor, or an int8
+    QuantizedKVCache.
+
+    Zeroed on purpose: padded block-table entries and unwritten slots are read and then
+    masked; masked scores get probability 0, and 0 * NaN garbage would still be NaN.
+    """
+    _check_kv_dtype(kv_cache_dtype)
+    shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+    layers = range(model_config.num_hidden_layers)
+    if kv_cache_dtype == "int8":
+        return [
+            QuantizedKVCache(
+                torch.zeros(shape, dtype=torch.int8, device=device),
+                torch.zeros(shape[:4], dtype=torch.float32, device=device),
+            )
+            for _ in layers
+        ]
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8 over the last dim: x [..., D] -> (int8 [..., D], fp32 scale [...])."""
+    xf = x.float()
+    absmax = xf.abs().amax(-1).clamp_min(MIN_ABSMAX)
+    # A true division: `127.0 / absmax` in torch is reciprocal-then-multiply, which rounds
+    # differently from the kernel's division and can flip a value by one step.
+    inv = torch.full_like(absmax, 127.0).div_(absmax)
+    q = torch.floor(xf * inv[..., None] + 0.5).clamp_(-127, 127)
+    return q.to(torch.int8), absmax * (1.0 / 127.0)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [..., D] and scale [...] -> values in dtype."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter new k, v [T, Hkv, D] into kv_cache at flat slots slot_mapping [T] (in place).
+
+    Returns:
+        k, v as the cache now holds them: the inputs themselves for a float cache, their
+        int8 round trip (in k's dtype) for a QuantizedKVCache.
+    """
+    if isinstance(kv_cache, QuantizedKVCache):
+        _, num_blocks, block_size, hkv, d = kv_cache.data.shape
+        flat = kv_cache.data.view(2, num_blocks * block_size, hkv, d)
+        flat_scales = kv_cache.scales.view(2, num_blocks * block_size, hkv)
+        held = []
+        for i, x in enumerate((k, v)):
+            q, scale = quantize_int8(x)
+            flat[i].index_copy_(0, slot_mapping, q)
+            flat_scales[i].index_copy_(0, slot_mapping, scale)
+            held.append(dequantize_int8(q, scale, x.dtype))
+        return held[0], held[1]
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+    return k, v
+
+
+def gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K/V of the given blocks as [2, len(block_ids) * block_size, Hkv, D] in dtype (one copy;
+    int8 caches are dequantised)."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        q = _gather_blocks(kv_cache.data, block_ids)
+        _, nb, bs, hkv = kv_cache.scales.shape
+        scales = kv_cache.scales.view(2, nb, bs * hkv).index_select(1, block_ids)
+        return dequantize_int8(q, scales.view(2, -1, hkv), dtype)
+    return _gather_blocks(kv_cache, block_ids)
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    _, num_blocks, block_size, hkv, d = cache.shape
+    flat = cache.view(2, num_blocks, block_size * hkv * d).index_select(1, block_ids)
+    return flat.view(2, -1, hkv, d)

@@ -1,0 +1,123 @@
+"""Load and chaos against a real `conveyor serve` with a KV cache far smaller than the load:
+500 streams at once, 30% of the clients leave at random points. Every stream that stays gets
+its full length, the server preempts instead of stalling, stays healthy, and ends with no
+running or waiting request and no KV block in use. Plus `conveyor bench serve` end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import pytest
+from tests.serve_process import metric_value, start_server
+
+from conveyor.cli import main
+
+NUM_BLOCKS = 32  # 512 slots for 500 requests of up to ~26 tokens each
+NUM_REQUESTS = 500
+DISCONNECT_FRACTION = 0.3
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir, tmp_path_factory):
+    args = ["--model", str(demo_model_dir), "--num-kv-blocks", str(NUM_BLOCKS)]
+    args += ["--max-num-seqs", "64", "--max-waiting-requests", "5000"]
+    proc = start_server(args, tmp_path_factory.mktemp("load"))
+    yield proc
+    proc.stop()
+
+
+async def _client(http: httpx.AsyncClient, i: int, rng: random.Random) -> tuple[str, int]:
+    """One streaming request; returns ("completed" | "disconnected" | "failed", tokens)."""
+    max_tokens = rng.randint(4, 16)
+    leave_after = rng.randrange(max_tokens) if rng.random() < DISCONNECT_FRACTION else None
+    body = {
+        "prompt": f"Load test request {i}:", "max_tokens": max_tokens, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    finish, tokens, chunks = None, 0, 0
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return "failed", 0
+        async for line in resp.aiter_lines():
+            if leave_after is not None and chunks >= leave_after:
+                return "disconnected", chunks  # leaving the block closes the connection
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return "failed", tokens
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for choice in event["choices"]:
+                chunks += 1
+                finish = choice["finish_reason"] or finish
+    ok = finish == "length" and tokens == max_tokens
+    return ("completed" if ok else "failed"), tokens
+
+
+def _metrics(server) -> str:
+    return httpx.get(f"{server.base_url}/metrics").text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_500_streams_with_30_percent_disconnects_complete_and_leak_nothing(server) -> None:
+    async def run() -> list[tuple[str, int]]:
+        rng = random.Random(1234)
+        limits = httpx.Limits(max_connections=NUM_REQUESTS, max_keepalive_connections=0)
+        async with httpx.AsyncClient(
+            base_url=server.base_url, limits=limits, timeout=httpx.Timeout(120.0)
+        ) as http:
+            return await asyncio.gather(*(_client(http, i, rng) for i in range(NUM_REQUESTS)))
+
+    results = asyncio.run(run())
+    counts = {k: sum(1 for r in results if r[0] == k) for k in ("completed", "disconnected")}
+    counts["failed"] = NUM_REQUESTS - sum(counts.values())
+    deadline = time.monotonic() + 60
+    while True:  # disconnects are noticed asynchronously: wait for the aborts to land
+        text = _metrics(server)
+        state = [
+            metric_value(text, f"conveyor:{name}")
+            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        ]
+        if state == [0, 0, 0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    counts["leaked_blocks"] = round(state[2] * NUM_BLOCKS)
+    counts["preemptions"] = int(metric_value(text, "conveyor:num_preemptions_total"))
+    print(f"\nload test: {json.dumps(counts)}")
+    assert counts["failed"] == 0
+    assert counts["disconnected"] > 0.2 * NUM_REQUESTS
+    assert state == [0, 0, 0]  # no running, no waiting, no KV block in use
+    assert counts["preemptions"] > 0  # the cache was too small: it preempted, not stalled
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    resp = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "ok", "max_tokens": 3})
+    assert resp.json()["usage"]["completion_tokens"] == 3
+
+
+def test_bench_serve_reports_like_vllm_bench_serve(server, tmp_path, capsys) -> None:
+    result, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    common = ["bench", "serve", "--base-url", server.base_url, "--output-len", "6"]
+    args = [*common, "--num-prompts", "12", "--input-len", "8", "--request-rate", "40"]
+    args += ["--max-concurrency", "4", "--result-json", str(result), "--plot", str(plot)]
+    assert main(args) == 0
+    summary = json.loads(result.read_text())
+    assert json.loads(capsys.readouterr().out) == summary
+    assert (summary["successful_requests"], summary["failed_requests"]) == (12, 0)
+    assert summary["total_output_tokens"] == 72 and summary["total_input_tokens"] == 96
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            assert summary[f"{stat}_{metric}_ms"] > 0
+    assert summary["output_throughput"] > 0 and summary["request_throughput"] > 0
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+    dataset = tmp_path / "workload.jsonl"
+    rows = [{"prompt": "Hello there", "max_tokens": 3}, {"prompt": [5, 6, 7], "max_tokens": 2}]
+    dataset.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main([*common, "--dataset", str(dataset)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["successful_requests"] == 2 and summary["total_output_tokens"] == 5
