@@ -37,6 +37,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from conveyor.kernels._checks import check, check_kv_cache_dtype
 from triton import knobs
 
 LOG2E = 1.4426950408889634
@@ -211,11 +212,6 @@ def _compute_dtype(dtype: torch.dtype) -> tl.dtype:
     return tl.float32
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
-
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -243,45 +239,34 @@ def paged_attention(
     Returns:
         [T, Hq, D] in q's dtype.
     """
-    _check(q.dim() == 3 and kv_cache.dim() == 5, "q must be [T, Hq, D], kv_cache 5-D.")
+    check(q.dim() == 3 and kv_cache.dim() == 5, "q must be [T, Hq, D], kv_cache 5-D.")
     t, hq, d = q.shape
     two, _, block_size, hkv, d_cache = kv_cache.shape
-    _check(two == 2 and d_cache == d, f"kv_cache {tuple(kv_cache.shape)} does not fit q's D={d}.")
-    _check(hq % hkv == 0, f"{hq} query heads are not a multiple of {hkv} KV heads.")
-    _check(16 <= d <= 256, f"head size must be in [16, 256], got {d}.")
-    _check(block_size in (8, 16, 32, 64, 128), f"block size must be 8..128, got {block_size}.")
-    _check(q.dtype in _FLOATS, f"q must be fp16, bf16 or fp32, got {q.dtype}.")
-    _check(q.stride(2) == 1 and kv_cache.stride(4) == 1, "q and kv_cache need a contiguous D.")
-    quant = kv_cache.dtype == torch.int8
-    if quant:
-        _check(
-            kv_scales is not None
-            and kv_scales.dtype == torch.float32
-            and tuple(kv_scales.shape) == tuple(kv_cache.shape[:4])
-            and kv_scales.device == q.device,
-            "an int8 kv_cache needs fp32 kv_scales of shape [2, num_blocks, block_size, Hkv].",
-        )
-    else:
-        _check(kv_cache.dtype == q.dtype, f"kv_cache is {kv_cache.dtype}, q is {q.dtype}.")
-        _check(kv_scales is None, "kv_scales is only for an int8 kv_cache.")
+    check(two == 2 and d_cache == d, f"kv_cache {tuple(kv_cache.shape)} does not fit q's D={d}.")
+    check(hq % hkv == 0, f"{hq} query heads are not a multiple of {hkv} KV heads.")
+    check(16 <= d <= 256, f"head size must be in [16, 256], got {d}.")
+    check(block_size in (8, 16, 32, 64, 128), f"block size must be 8..128, got {block_size}.")
+    check(q.dtype in _FLOATS, f"q must be fp16, bf16 or fp32, got {q.dtype}.")
+    check(q.stride(2) == 1 and kv_cache.stride(4) == 1, "q and kv_cache need a contiguous D.")
+    quant = check_kv_cache_dtype(kv_cache, kv_scales, q, "q")
     b = seq_lens.shape[0]
-    _check(
+    check(
         block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.stride(1) == 1,
         "block_tables must be [B, max_blocks] with contiguous rows.",
     )
-    _check(tuple(query_start_loc.shape) == (b + 1,), "query_start_loc must have B + 1 entries.")
+    check(tuple(query_start_loc.shape) == (b + 1,), "query_start_loc must have B + 1 entries.")
     for name, x in (("kv_cache", kv_cache), ("block_tables", block_tables),
                     ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):  # fmt: skip
-        _check(x.device == q.device, f"{name} is on {x.device}, q on {q.device}.")
-        _check(x is kv_cache or x.dtype == torch.int32, f"{name} must be int32, got {x.dtype}.")
-    _check(max_query_len >= 1 and max_seq_len >= max_query_len, "bad max_query_len/max_seq_len.")
+        check(x.device == q.device, f"{name} is on {x.device}, q on {q.device}.")
+        check(x is kv_cache or x.dtype == torch.int32, f"{name} must be int32, got {x.dtype}.")
+    check(max_query_len >= 1 and max_seq_len >= max_query_len, "bad max_query_len/max_seq_len.")
 
     group = hq // hkv
     block_m, block_q, tile_n, num_warps = _tiling(group, max_query_len, q.dtype)
     num_q_blocks = t // block_q + b
     if num_splits is None:
         num_splits = _num_splits(q.device, num_q_blocks * hkv, max_seq_len, tile_n)
-    _check(num_splits in (1, 2, 4, 8, 16), f"num_splits must be a power of 2 <= 16: {num_splits}")
+    check(num_splits in (1, 2, 4, 8, 16), f"num_splits must be a power of 2 <= 16: {num_splits}")
     d_pad = triton.next_power_of_2(d)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if t == 0:

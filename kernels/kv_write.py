@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from conveyor.kernels._checks import check, check_kv_cache_dtype
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 MIN_ABSMAX = 1e-8  # an all-zero row stores zeros with a tiny (harmless) scale
@@ -64,11 +65,6 @@ def _write_kv_kernel(
                mask, QUANT, MIN_ABS)  # fmt: skip
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
-
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -84,36 +80,25 @@ def write_kv(
         slot_mapping: int64 [T] flat slots (block * block_size + offset); < 0 skips a token.
         kv_scales: fp32 [2, num_blocks, block_size, Hkv], required iff kv_cache is int8.
     """
-    _check(k.dim() == 3 and k.shape == v.shape, "k and v must both be [T, Hkv, D].")
-    _check(kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache must be [2, NB, BS, H, D].")
+    check(k.dim() == 3 and k.shape == v.shape, "k and v must both be [T, Hkv, D].")
+    check(kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache must be [2, NB, BS, H, D].")
     t, hkv, d = k.shape
-    _check(
+    check(
         tuple(kv_cache.shape[3:]) == (hkv, d),
         f"kv_cache {tuple(kv_cache.shape)} does not fit k [T, {hkv}, {d}].",
     )
-    _check(k.dtype in _FLOATS and v.dtype == k.dtype, f"k/v must be one float dtype: {k.dtype}.")
-    _check(
+    check(k.dtype in _FLOATS and v.dtype == k.dtype, f"k/v must be one float dtype: {k.dtype}.")
+    check(
         k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.stride(4) == 1,
         "k, v and kv_cache need a contiguous last dim.",
     )
-    _check(
+    check(
         slot_mapping.dtype == torch.int64 and tuple(slot_mapping.shape) == (t,),
         "slot_mapping must be int64 [T].",
     )
     for name, x in (("v", v), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
-        _check(x.device == k.device, f"{name} is not on k's device.")
-    quant = kv_cache.dtype == torch.int8
-    if quant:
-        _check(
-            kv_scales is not None
-            and kv_scales.dtype == torch.float32
-            and tuple(kv_scales.shape) == tuple(kv_cache.shape[:4])
-            and kv_scales.device == k.device,
-            "an int8 kv_cache needs fp32 kv_scales of shape [2, num_blocks, block_size, Hkv].",
-        )
-    else:
-        _check(kv_cache.dtype == k.dtype, f"kv_cache is {kv_cache.dtype}, k is {k.dtype}.")
-        _check(kv_scales is None, "kv_scales is only for an int8 kv_cache.")
+        check(x.device == k.device, f"{name} is not on k's device.")
+    quant = check_kv_cache_dtype(kv_cache, kv_scales, k, "k")
     if t == 0:
         return
     scales = kv_scales if quant else kv_cache  # a dummy pointer when unused
