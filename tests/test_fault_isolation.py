@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from conveyor import LLM, AsyncLLM, SamplingParams
-from conveyor.logits_guard import FiniteLogitsGuard
+from conveyor.model.logits_guard import FiniteLogitsGuard
 from conveyor.server.app import build_app
 from conveyor.tokenizer import IncrementalDetokenizer
 

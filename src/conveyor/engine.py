@@ -19,7 +19,6 @@ import time
 from conveyor.config import EngineConfig
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.scheduler import Scheduler
-from conveyor.logits_guard import FiniteLogitsGuard
 from conveyor.model.runner import ModelRunner
 from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
@@ -44,7 +43,6 @@ class LLMEngine:
         self.model_path = model_path
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_path)
         self.runner = ModelRunner(config, model_path)
-        self.runner.sampler = FiniteLogitsGuard(self.runner.sampler)
         # Resolve what the checkpoint and the memory budget decide, then build the scheduler.
         config.num_kv_blocks = self.runner.num_kv_blocks
         config.max_model_len = self.runner.max_model_len

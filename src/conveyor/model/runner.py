@@ -27,6 +27,7 @@ from conveyor.core.scheduler import SchedulerOutput
 from conveyor.model.attention import AttentionMetadata
 from conveyor.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from conveyor.model.loader import load_model
+from conveyor.model.logits_guard import FiniteLogitsGuard
 from conveyor.model.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class ModelRunner:
             "int8" if kv_dtype == "int8" else str(self.dtype).removeprefix("torch."),
             self.num_kv_blocks * bytes_per_block / 2**20,
         )
-        self.sampler = Sampler(self.vocab_size, config.seed, self.device)
+        self.sampler = FiniteLogitsGuard(Sampler(self.vocab_size, config.seed, self.device))
 
     def remove_requests(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -5,8 +5,7 @@ Wraps the model runner's sampler. One reduction per row finds the rows holding N
 rows are sampled from zeros instead, so the sampler's arithmetic stays defined for the rest
 of the batch, and their token becomes INVALID_TOKEN, which the engine turns into a failure of
 that one request. The healthy rows' tokens are exactly what the sampler alone would give.
-
-This is the one tensor check outside model/; it belongs with the sampler and can move there.
+The model runner builds its sampler wrapped in this guard.
 """
 
 from __future__ import annotations
