@@ -15,18 +15,16 @@ from conveyor.server.protocol import ChatCompletionRequest
 from conveyor.server.responses import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
-    ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse,
     ChatLogProb,
     ChatLogProbs,
     ChatLogProbsContent,
     ChatResponseMessage,
-    DeltaMessage,
     random_id,
     stop_reason,
     usage,
 )
-from conveyor.server.streaming import sse, sse_response
+from conveyor.server.sse import ChatChunks
+from conveyor.server.streaming import sse_response
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> Response:
@@ -109,22 +107,13 @@ async def _stream(
     include_usage: bool,
     continuous_usage: bool,
 ) -> AsyncIterator[str]:
-    created = int(time.time())
-    num_generated = 0
-
-    def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-        c = ChatCompletionStreamResponse(
-            id=request_id, created=created, model=ctx.model_name, choices=choices
-        )
-        if continuous_usage:
-            c.usage = usage(num_prompt_tokens, num_generated)
-        return sse(c)
-
+    chunks = ChatChunks(
+        request_id, int(time.time()), ctx.model_name, num_prompt_tokens, continuous_usage
+    )
     # The first chunk of every choice carries the role, before any token is made.
     for i in range(n):
-        first = DeltaMessage(role="assistant", content="")
-        choice = ChatCompletionStreamChoice(index=i, delta=first, logprobs=None, finish_reason=None)
-        yield chunk([choice])
+        yield chunks.role(i)
+    num_generated = 0
     finished = [False] * n
     async for out in stream:
         for c in out.outputs:
@@ -135,29 +124,15 @@ async def _stream(
                 continue  # held-back text (a possible stop string): nothing to send yet
             num_generated += len(c.token_ids)
             # OpenAI's last chunk has an empty delta unless it still carries text.
-            delta = DeltaMessage(content=c.text) if c.text or not finished[c.index] else None
+            content = c.text if c.text or not finished[c.index] else None
             logprobs = None
             if top is not None and c.logprobs is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs, top)
-            choice = ChatCompletionStreamChoice(
-                index=c.index,
-                delta=delta or DeltaMessage(),
-                logprobs=logprobs,
-                finish_reason=c.finish_reason,
+            yield chunks.choice(
+                c.index, content, logprobs, c.finish_reason, stop_reason(c), num_generated
             )
-            if c.finish_reason is not None:
-                choice.stop_reason = stop_reason(c)
-            yield chunk([choice])
     if include_usage:
-        yield sse(
-            ChatCompletionStreamResponse(
-                id=request_id,
-                created=created,
-                model=ctx.model_name,
-                choices=[],
-                usage=usage(num_prompt_tokens, num_generated),
-            )
-        )
+        yield chunks.usage(num_generated)
 
 
 def chat_logprobs(

@@ -15,12 +15,12 @@ from conveyor.server.responses import (
     CompletionLogProbs,
     CompletionResponse,
     CompletionResponseChoice,
-    CompletionStreamResponse,
     random_id,
     stop_reason,
     usage,
 )
-from conveyor.server.streaming import merge_streams, sse, sse_response
+from conveyor.server.sse import CompletionChunks
+from conveyor.server.streaming import merge_streams, sse_response
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Response:
@@ -117,7 +117,9 @@ async def _stream(
     include_usage: bool,
     continuous_usage: bool,
 ) -> AsyncIterator[str]:
-    created = int(time.time())
+    chunks = CompletionChunks(
+        request_id, int(time.time()), ctx.model_name, num_prompt_tokens, continuous_usage
+    )
     num_choices = len(streams) * n
     echoed = [echo_texts is None] * num_choices
     finished = [False] * num_choices
@@ -141,29 +143,11 @@ async def _stream(
                 logprobs, offsets[index] = completion_logprobs(
                     c.token_ids, c.logprobs, num_logprobs, offsets[index]
                 )
-            choice = CompletionResponseChoice(
-                index=index,
-                text=text,
-                logprobs=logprobs,
-                finish_reason=c.finish_reason,
-                stop_reason=stop_reason(c),
+            yield chunks.choice(
+                index, text, logprobs, c.finish_reason, stop_reason(c), num_generated
             )
-            chunk = CompletionStreamResponse(
-                id=request_id, created=created, model=ctx.model_name, choices=[choice]
-            )
-            if continuous_usage:
-                chunk.usage = usage(num_prompt_tokens, num_generated)
-            yield sse(chunk)
     if include_usage:
-        yield sse(
-            CompletionStreamResponse(
-                id=request_id,
-                created=created,
-                model=ctx.model_name,
-                choices=[],
-                usage=usage(num_prompt_tokens, num_generated),
-            )
-        )
+        yield chunks.usage(num_generated)
 
 
 def completion_logprobs(

@@ -4,7 +4,9 @@ Shapes follow OpenAI and vLLM (vLLM's `stop_reason` extension included: the stop
 token id that ended a choice, or, for finish_reason "abort", why the engine aborted it, e.g.
 "deadline exceeded: ..."; None for a client's abort). Stream chunks are
 serialized with `exclude_unset=True`, as vLLM does: a chat delta carries `role` only in the
-first chunk of a choice, and `usage` only where it was set.
+first chunk of a choice, and `usage` only where it was set. server/sse.py writes the common
+stream chunks without building these models, byte for byte as they would serialize: a change
+to a chunk model needs the same change there (tests/test_sse_encoding.py compares the two).
 """
 
 from __future__ import annotations

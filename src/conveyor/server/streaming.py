@@ -28,17 +28,22 @@ def sse(chunk: BaseModel) -> str:
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    """Stream `events`; an exception becomes an error event, and [DONE] always ends it."""
+    """Stream `events`; an exception becomes an error event, and [DONE] always ends it.
 
-    async def framed() -> AsyncIterator[str]:
+    Events are encoded to UTF-8 here, inside the `try`, rather than by Starlette after it: a
+    string that cannot be encoded (a lone surrogate, which `json` lets through into the fast
+    events of server/sse.py) then ends the stream with an error event too.
+    """
+
+    async def framed() -> AsyncIterator[bytes]:
         try:
             async for event in events:
-                yield event
+                yield event.encode()
         except Exception as exc:
-            yield sse_error(exc)
+            yield sse_error(exc).encode()
         # A client that goes away cancels this task (Starlette listens for the disconnect);
         # the CancelledError runs down into AsyncLLM's stream, which aborts the request.
-        yield DONE
+        yield DONE.encode()
 
     return StreamingResponse(framed(), media_type="text/event-stream")
 
