@@ -19,7 +19,6 @@ bottleneck). Writes benchmarks/results/serve.json and serve_latency.png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shutil
 import signal
@@ -35,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench_serve import BenchRequest, add_arguments, bench, synthetic_workload
+from conveyor.bench_serve import BenchRequest, add_arguments, bench, run, synthetic_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,6 +68,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         command += ["--model", args.model_path]
     for key, value in _engine_flags(args).items():
         command += [f"--{key.replace('_', '-')}", str(value)]
+    command += ["--engine-process" if args.engine_process else "--no-engine-process"]
     proc = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--num-kv-blocks", type=int, default=1024)
     add("--scheduler", default="fifo")
+    add("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+        help="the server's engine in its own process (default, as `conveyor serve`)")  # fmt: skip
     add("--rounds", type=int, default=3, help="server / LLM.generate rounds, alternated (3)")
     parser.set_defaults(
         result_json=ROOT / "benchmarks/results/serve.json",
@@ -127,15 +129,15 @@ def main(argv: list[str] | None = None) -> dict:
     quiet = argparse.Namespace(**{**vars(args), "result_json": None, "plot": None})
     rounds = []
     try:
-        requests = asyncio.run(synthetic_workload(args))
+        requests = run(synthetic_workload(args))
         # Warm-up: one full batch of short requests (torch's first calls are slow).
         warm = [BenchRequest(r.prompt, 4) for r in requests[: args.max_num_seqs]]
-        asyncio.run(bench(quiet, warm))
+        run(bench(quiet, warm))
         generate = llm_generate(args, requests)
         # Alternate the two on the same machine state; an idle server costs nothing.
         for i in range(args.rounds):
             last = i == args.rounds - 1
-            summary = asyncio.run(bench(args if last else quiet, requests))
+            summary = run(bench(args if last else quiet, requests))
             rounds.append((summary, generate()))
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         "llm_generate_output_throughput_per_round": [t for _, t in rounds],
         "ratio_per_round": [round(r, 3) for r in ratios],
         "ratio_server_to_llm_generate_median": round(statistics.median(ratios), 3),
+        "engine_process": args.engine_process,
         "engine": _engine_flags(args),
     }
     args.result_json.write_text(json.dumps(result, indent=2))

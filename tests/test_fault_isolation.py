@@ -2,9 +2,10 @@
 
 Faults are injected where no real part can fail on demand: a non-finite logit in the model's
 output for one request (before the real logits guard), and an exception in one request's
-detokenizer or stop-string check. The request that carries the marker stop string fails with
-a 500 error body (or an error event in its stream); the requests in the same batch finish with
-exactly the tokens they get without the fault, and the engine stays healthy and idle.
+token-level stop check (core), detokenizer or stop-string check. The request that carries the
+marker stop string fails with a 500 error body (or an error event in its stream); the requests
+in the same batch finish with exactly the tokens they get without the fault, and the engine
+stays healthy and idle.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from conveyor import LLM, AsyncLLM, SamplingParams
+from conveyor.core.request import Request
 from conveyor.model.logits_guard import FiniteLogitsGuard
 from conveyor.server.app import build_app
 from conveyor.tokenizer import IncrementalDetokenizer
@@ -46,6 +48,16 @@ def _inject(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
 
         monkeypatch.setattr(FiniteLogitsGuard, "__call__", nan_logits)
         return
+    if fault == "token stop check":  # core: eos, stop_token_ids, max_tokens
+        real_check = Request.check_stop
+
+        def faulty_check(self):
+            if POISON in self.sampling_params.stop_strings:
+                raise RuntimeError("injected fault")
+            return real_check(self)
+
+        monkeypatch.setattr(Request, "check_stop", faulty_check)
+        return
     method = {"detokenizer": "update", "stop check": "_check_stop"}[fault]
     real = getattr(IncrementalDetokenizer, method)
 
@@ -65,7 +77,7 @@ async def _until_idle(llm: AsyncLLM) -> None:
     raise AssertionError("the engine did not become idle")
 
 
-@pytest.mark.parametrize("fault", ["logits", "detokenizer", "stop check"])
+@pytest.mark.parametrize("fault", ["logits", "token stop check", "detokenizer", "stop check"])
 def test_a_faulty_request_fails_alone_and_the_batch_goes_on(
     demo_model_dir, expected, monkeypatch, fault
 ) -> None:

@@ -72,6 +72,30 @@ def test_schedule_does_not_advance_num_computed_tokens():
     assert req.output_token_ids == [TOKEN]
 
 
+def test_a_raising_stop_check_ends_that_request_alone(monkeypatch):
+    sched = make_scheduler()
+    good, bad = make_request("good", 5), make_request("bad", 5)
+    for req in (good, bad):
+        sched.add_request(req)
+    real_check = Request.check_stop
+
+    def check_stop(self):
+        if self.request_id == "bad":
+            raise RuntimeError("broken stop rule")
+        return real_check(self)
+
+    monkeypatch.setattr(Request, "check_stop", check_stop)
+    out = sched.schedule()
+    updated = sched.update_from_output(out, {"good": TOKEN, "bad": TOKEN})
+    assert updated == [good, bad]
+    assert bad.status is RequestStatus.FINISHED_ABORTED and isinstance(bad.fault, RuntimeError)
+    assert sched.block_manager.get_block_table("bad") == []
+    assert good.status is RequestStatus.RUNNING and good.fault is None
+    assert sched.running == [good]
+    step(sched)
+    assert good.output_token_ids == [TOKEN, TOKEN]
+
+
 def test_long_prompt_is_chunked_across_steps():
     sched = make_scheduler(max_num_batched_tokens=16)
     req = make_request("a", 40)

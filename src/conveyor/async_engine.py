@@ -12,7 +12,8 @@ callers here make read-only checks (tokenizer, `check_prompt`, queue lengths), s
 join and leave between steps. A fault of one request fails only it; an exception of a whole
 step fails the requests that step scheduled; only an error that recovery cannot handle makes
 the engine dead (`check_health` raises). `check_admission` refuses new work (HTTP 503) while
-more than `max_waiting_requests` sequences wait.
+more than `max_waiting_requests` sequences wait. With `engine_process=True` the same thread
+runs in a child process (engine_process.py) and its reports arrive through a pipe.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 from conveyor.config import EngineConfig
 from conveyor.engine import LLMEngine
+from conveyor.engine_process import EngineProcess
 from conveyor.engine_thread import EngineThread, StepStats
 from conveyor.metrics import EngineMetrics
 from conveyor.outputs import RequestOutput
@@ -37,6 +39,7 @@ from conveyor.request_stream import (
     RequestStream,
 )
 from conveyor.sampling_params import SamplingParams
+from conveyor.tokenizer import Tokenizer
 
 __all__ = ["AsyncLLM", "EngineNotRunningError", "EngineOverloadedError", "RequestFailedError"]
 
@@ -57,6 +60,9 @@ class AsyncLLM:
         log_stats_interval_s: seconds between throughput log lines while busy (0: never).
         max_waiting_requests: most sequences that may wait for admission before
             `check_admission` refuses more; None: one per KV block, at least max_num_seqs.
+        engine_process: run the engine in a child process (EngineProcess) instead of a
+            thread of this one, so that streaming work here never holds up a step through
+            the GIL (`conveyor serve` does). `engine` is then None.
         **kwargs: any EngineConfig field, as for `LLM`.
     """
 
@@ -68,32 +74,43 @@ class AsyncLLM:
         served_model_name: str | None = None,
         log_stats_interval_s: float = 5.0,
         max_waiting_requests: int | None = None,
+        engine_process: bool = False,
         **kwargs: Any,
     ) -> None:
         if config is None:
             config = EngineConfig(model=model, **kwargs)
         elif model is not None or kwargs:
             raise ValueError("Give either config or model and EngineConfig fields, not both.")
-        self.engine = LLMEngine(config)
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self.vocab_size = self.engine.runner.vocab_size
-        self.model_path = self.engine.model_path
+        callbacks = {
+            "emit": lambda outputs, stats: self._post(self._on_step, outputs, stats),
+            "reject": lambda request_id, exc: self._post(self._reject, request_id, exc),
+            "on_dead": self._on_dead,
+        }
+        self._core: EngineThread | EngineProcess
+        self.engine: LLMEngine | None
+        if engine_process:
+            self.engine = None
+            self._core = EngineProcess(config, **callbacks)
+            self.model_path = self._core.info.model_path
+            self.limits = self._core.info.limits
+            self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
+        else:
+            self.engine = LLMEngine(config)
+            self._core = EngineThread(self.engine, **callbacks)
+            self.model_path = self.engine.model_path
+            self.limits = self.engine.limits
+            self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.limits.max_model_len
+        self.vocab_size = self.limits.vocab_size
         self.model_name = served_model_name or config.model or DEMO_MODEL_NAME
         self.metrics = EngineMetrics(self.model_name, log_stats_interval_s)
-        if max_waiting_requests is None:  # the scheduler resolved num_kv_blocks
+        if max_waiting_requests is None:  # the engine resolved num_kv_blocks
             max_waiting_requests = max(config.num_kv_blocks or 1, config.max_num_seqs)
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}.")
         self.max_waiting_requests = max_waiting_requests
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = EngineThread(
-            self.engine,
-            emit=lambda outputs, stats: self._post(self._on_step, outputs, stats),
-            reject=lambda request_id, exc: self._post(self._reject, request_id, exc),
-            on_dead=self._on_dead,
-        )
         self._dead: BaseException | None = None
         self._stopping = False
         self._ids = itertools.count()
@@ -111,9 +128,9 @@ class AsyncLLM:
         self._ensure_started()
 
     def _ensure_started(self) -> None:
-        if not self._thread.started and not self._stopping:
+        if not self._core.started and not self._stopping:
             self._loop = asyncio.get_running_loop()
-            self._thread.start()
+            self._core.start()
 
     def check_health(self) -> None:
         """Raise EngineNotRunningError unless the loop can serve requests."""
@@ -121,20 +138,20 @@ class AsyncLLM:
             raise EngineNotRunningError(f"The engine failed and stopped: {self._dead!r}")
         if self._stopping:
             raise EngineNotRunningError("The server is shutting down.")
-        if self._thread.started and not self._thread.alive:
+        if self._core.started and not self._core.alive:
             raise EngineNotRunningError("The engine loop has stopped.")
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop admitting requests; abort the ones still running after `grace_s` seconds."""
         self._stopping = True
-        self._thread.abort_all_at(time.monotonic() + max(0.0, grace_s), _SHUTDOWN_REASON)
+        self._core.abort_all_at(time.monotonic() + max(0.0, grace_s), _SHUTDOWN_REASON)
 
     async def shutdown(self) -> None:
         """Abort every request (their streams end with finish_reason "abort"), stop the
         engine thread."""
         self._stopping = True
         # The thread emits the aborts before it ends; they reach the loop before this await.
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.stop, _SHUTDOWN_REASON)
+        await asyncio.get_running_loop().run_in_executor(None, self._core.stop, _SHUTDOWN_REASON)
         await asyncio.sleep(0)
         self._fail_all(EngineNotRunningError("The engine has shut down."))
 
@@ -146,7 +163,7 @@ class AsyncLLM:
     @property
     def num_waiting_seqs(self) -> int:
         """Sequences not yet running: queued for the loop plus the scheduler's waiting ones."""
-        return self.engine.scheduler.num_waiting + self._thread.num_queued_seqs
+        return self._core.num_waiting_seqs
 
     # ------------------------------------------------------------------ requests
     def check_admission(self, num_seqs: int = 1) -> None:
@@ -169,7 +186,7 @@ class AsyncLLM:
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if this prompt can never run (read-only; safe during a step)."""
-        self.engine.check_prompt(prompt_ids, params)
+        self.limits.check(prompt_ids, params)
 
     def generate(
         self,
@@ -208,10 +225,13 @@ class AsyncLLM:
             ids = list(prompt_token_ids or self.tokenizer.encode(prompt))
         else:
             ids = list(prompt)
-        self.engine.check_prompt(ids, params)
-        stream = RequestStream(request_id, time.monotonic(), len(ids), self._abort_soon)
+        self.limits.check(ids, params)
+        stream = RequestStream(
+            request_id, time.monotonic(), prompt if isinstance(prompt, str) else None, ids,
+            self._abort_soon,
+        )  # fmt: skip
         self._streams[request_id] = stream
-        self._thread.add(request_id, prompt, ids, params, stream.arrival_time)
+        self._core.add(request_id, prompt, ids, params, stream.arrival_time)
         return stream.outputs()
 
     async def abort(self, request_id: str) -> None:
@@ -228,7 +248,7 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         if stream is not None and not stream.abandoned:
             stream.abandoned = abandoned
-            self._thread.abort(request_id)
+            self._core.abort(request_id)
 
     # ------------------------------------------------------------------ from the thread
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
@@ -252,8 +272,9 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
+            out.prompt, out.prompt_token_ids = stream.prompt, stream.prompt_token_ids
             stream.last_token_time = self.metrics.record_output(
-                out, stream.num_prompt_tokens, stream.last_token_time, now
+                out, len(stream.prompt_token_ids), stream.last_token_time, now
             )
             if out.finished:
                 del self._streams[out.request_id]

@@ -24,11 +24,14 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from conveyor.bench_client import request, stream_events
+
+T = TypeVar("T")
 
 # Synthetic prompts are windows of one tokenized text of these words.
 _WORDS = (
@@ -288,8 +291,19 @@ async def bench(args: argparse.Namespace, requests: list[BenchRequest] | None = 
     return summary
 
 
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run on uvloop where it is installed: the client spends about a third less
+    CPU per streamed event, CPU that the server it measures would otherwise lose to it on
+    a small machine."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def main(args: argparse.Namespace) -> int:
     """`conveyor bench serve`: print the summary as JSON; 1 if any request failed."""
-    summary = asyncio.run(bench(args))
+    summary = run(bench(args))
     print(json.dumps(summary, indent=2))
     return 0 if summary["failed_requests"] == 0 else 1

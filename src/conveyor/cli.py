@@ -103,6 +103,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--max-request-body-bytes", type=int, metavar="B", help="larger bodies get 413 (10 MiB)")
     add("--request-timeout", type=float, metavar="S", help="abort requests after S s (no limit)")
     add("--shutdown-timeout", type=float, metavar="S", help="grace period on SIGTERM (10)")
+    add("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+        help="the engine in its own process (default) or a thread")  # fmt: skip
     add("--log-level", help="critical, error, warning, info (default) or debug")
     add("--log-stats-interval", type=float, metavar="S", help="stats log period (5; 0: off)")
     parser.set_defaults(func=_serve)

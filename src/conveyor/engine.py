@@ -6,8 +6,8 @@ into n sequences `"{request_id}#{i}"` that are scheduled independently and repor
 A request added with `delta=True` reports only what is new since its previous output (AsyncLLM
 streams these); otherwise outputs are cumulative.
 A fault of one request (non-finite logits, made an invalid token by the logits guard; an
-exception in its detokenizer, stop strings or logprobs) fails it alone: finish_reason "abort",
-`error` set, blocks freed; the step goes on for the others.
+exception in its token-level stop check, detokenizer, stop strings or logprobs) fails it
+alone: finish_reason "abort", `error` set, blocks freed; the step goes on for the others.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 from conveyor.config import EngineConfig
 from conveyor.core.request import Request, RequestStatus
@@ -32,6 +33,52 @@ class InvalidTokenError(RuntimeError):
     """A request was sampled a token outside the vocabulary (its logits were not finite)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    """What a prompt must fit: the model's context, its vocabulary, the whole KV cache.
+
+    Plain numbers, so a process without the engine (the HTTP side of an engine process) can
+    check prompts before it queues them.
+    """
+
+    max_model_len: int
+    vocab_size: int
+    kv_capacity: int  # KV slots in the whole cache: num_kv_blocks * block_size
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Reject a prompt that can never run; return its output cap.
+
+        Returns:
+            max_tokens clamped to what the model's context leaves after the prompt.
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, a prompt that
+                leaves no room in the context, or a request larger than the whole KV cache.
+        """
+        if not prompt_ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        vocab = self.vocab_size
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"Prompt token ids must be integers in [0, {vocab}); got {t!r}.")
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {n} tokens, leaving no room for output."
+            )
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        # The last sampled token never needs a KV slot: a sequence holds n + max_tokens - 1.
+        need = n + max_tokens - 1
+        if need > self.kv_capacity:
+            raise ValueError(
+                f"The request needs {need} KV cache slots (prompt {n} + max_tokens "
+                f"{max_tokens} - 1) but the whole KV cache holds {self.kv_capacity}; lower "
+                "max_tokens or the prompt length, or give the engine more KV blocks."
+            )
+        return max_tokens
+
+
 class LLMEngine:
     """The synchronous engine under `LLM` and `AsyncLLM`."""
 
@@ -41,13 +88,14 @@ class LLMEngine:
         self.config = config
         model_path = str(config.model or demo_model_path())
         self.model_path = model_path
+        self.runner = ModelRunner(config, model_path)  # first: it names a missing config.json
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_path)
-        self.runner = ModelRunner(config, model_path)
         # Resolve what the checkpoint and the memory budget decide, then build the scheduler.
         config.num_kv_blocks = self.runner.num_kv_blocks
         config.max_model_len = self.runner.max_model_len
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(config)
+        self._limits = self.limits
         self._parents: dict[str, ParentRequest] = {}
         self._seqs: dict[str, SequenceState] = {}
         # What the current step scheduled (None until schedule() returned), for abort_step().
@@ -118,36 +166,17 @@ class LLMEngine:
         for seq in parent.seqs:
             self.scheduler.add_request(seq.request)
 
-    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Reject a prompt that can never run; return its output cap.
+    @property
+    def limits(self) -> PromptLimits:
+        """What any prompt must fit (read-only; safe to use from another thread)."""
+        blocks = self.scheduler.block_manager.num_total_blocks
+        return PromptLimits(
+            self.max_model_len, self.runner.vocab_size, blocks * self.config.block_size
+        )
 
-        Returns:
-            max_tokens clamped to what the model's context leaves after the prompt.
-        """
-        if not prompt_ids:
-            raise ValueError("The prompt is empty: give at least one token.")
-        vocab = self.runner.vocab_size
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"Prompt token ids must be integers in [0, {vocab}); got {t!r}.")
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt has {n} tokens, leaving no room for output."
-            )
-        room = self.max_model_len - n
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        # The last sampled token never needs a KV slot: a sequence holds n + max_tokens - 1.
-        need = n + max_tokens - 1
-        capacity = self.scheduler.block_manager.num_total_blocks * self.config.block_size
-        if need > capacity:
-            raise ValueError(
-                f"The request needs {need} KV cache slots (prompt {n} + max_tokens "
-                f"{max_tokens} - 1) but the whole KV cache holds {capacity}; lower max_tokens "
-                "or the prompt length, or give the engine more KV blocks."
-            )
-        return max_tokens
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Reject a prompt that can never run; return its output cap (see PromptLimits)."""
+        return self._limits.check(prompt_ids, params)
 
     def abort_request(
         self, request_ids: str | list[str], reason: str | None = None
@@ -248,6 +277,8 @@ class LLMEngine:
             if seq is None:  # its request failed through a sibling sequence in this loop
                 continue
             try:
+                if req.fault is not None:  # its token-level stop check raised
+                    raise req.fault
                 if seq.update(tokens[req.request_id], logprobs[req.request_id], decode):
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             except Exception as exc:

@@ -83,6 +83,16 @@ class EngineThread:
         """Sequences added but not yet handed to the engine."""
         return self._queued_seqs - self._applied_seqs
 
+    @property
+    def applied_seqs(self) -> int:
+        """Sequences handed to the engine so far (read in this thread's callbacks)."""
+        return self._applied_seqs
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences not yet running: queued here plus the scheduler's waiting ones."""
+        return self.engine.scheduler.num_waiting + self.num_queued_seqs
+
     def start(self) -> None:
         self._thread.start()
 

@@ -39,13 +39,16 @@ class RequestStream:
     Args:
         request_id: the request's id in the engine.
         arrival_time: `time.monotonic()` when generate() was called (the engine's arrival).
-        num_prompt_tokens: prompt length, for metrics.
+        prompt: the prompt text (None for token ids); outputs get it here, not from the
+            engine (an engine process sends outputs without their prompt).
+        prompt_token_ids: the prompt's tokens.
         on_abandon: called with the id when the caller leaves before the last output.
     """
 
     request_id: str
     arrival_time: float
-    num_prompt_tokens: int
+    prompt: str | None
+    prompt_token_ids: list[int]
     on_abandon: Callable[[str], None]
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     last_token_time: float | None = None

@@ -55,6 +55,7 @@ class Request:
         "arrival_time",
         "deadline_at",
         "eos_token_id",
+        "fault",
         "max_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -97,6 +98,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Why the engine aborted it (e.g. its deadline passed); None for a caller's abort.
         self.abort_reason: str | None = None
+        # The exception its own processing raised (it then ends FINISHED_ABORTED).
+        self.fault: Exception | None = None
         # Scheduler clock time at which it last joined `running` (None while never admitted);
         # preemptive policies leave a request alone for a cooldown after this.
         self.admitted_at: float | None = None

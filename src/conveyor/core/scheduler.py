@@ -286,7 +286,9 @@ class Scheduler:
         For every scheduled request still running: advance `num_computed_tokens` by its
         scheduled count; if it was sampled, append the token and apply `check_stop()`.
         Finished requests leave `running` and free their blocks at once. Requests finished
-        from outside between schedule() and now (aborts) are skipped.
+        from outside between schedule() and now (aborts) are skipped. A request whose
+        append or stop check raises ends FINISHED_ABORTED with the exception in `fault`;
+        the others are updated as usual.
 
         Args:
             output: the SchedulerOutput this step executed.
@@ -306,9 +308,12 @@ class Scheduler:
             token_id = sampled_token_ids.get(rid)
             if token_id is None:
                 continue
-            req.append_output_token(token_id)
             new_token_reqs.append(req)
-            status = req.check_stop()
+            try:
+                req.append_output_token(token_id)
+                status = req.check_stop()
+            except Exception as exc:  # its own fault: it alone ends, the step goes on
+                req.fault, status = exc, RequestStatus.FINISHED_ABORTED
             if status is not None:
                 self._finish(req, status)
                 any_finished = True

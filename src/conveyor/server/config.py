@@ -34,6 +34,8 @@ class ServerConfig:
     max_n: int = 16  # largest `n` (samples per prompt) one request may ask for (else 400)
     max_request_body_bytes: int = 10 * 2**20  # larger request bodies get 413
     request_timeout: float | None = None  # seconds; a request unfinished then ends with "abort"
+    # The engine in its own process: streaming work never holds up a step through the GIL.
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -63,6 +65,8 @@ class ServerConfig:
             raise ValueError(
                 f"request_timeout must be a positive number of seconds, got {timeout!r}."
             )
+        if not isinstance(self.engine_process, bool):
+            raise ValueError(f"engine_process must be true or false, got {self.engine_process!r}.")
         for name in ("api_key", "served_model_name"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

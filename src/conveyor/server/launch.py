@@ -48,6 +48,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         served_model_name=server_config.served_model_name,
         log_stats_interval_s=server_config.log_stats_interval,
         max_waiting_requests=server_config.max_waiting_requests,
+        engine_process=server_config.engine_process,
     )
     app = build_app(engine, config=server_config)
     grace = server_config.shutdown_timeout
