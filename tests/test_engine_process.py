@@ -3,13 +3,15 @@
 Each case starts a real engine process (a fresh interpreter that loads the demo model), so
 the cases are few: parity with LLM.generate (prompt fields, n > 1, an abort), an engine that
 cannot start, an engine process that dies under load, and an engine process whose server
-process died.
+process died. The outputs' wire format is checked on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -19,6 +21,8 @@ import pytest
 
 from conveyor import LLM, AsyncLLM, SamplingParams
 from conveyor.async_engine import EngineNotRunningError
+from conveyor.engine_process import pack_output, unpack_output
+from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -136,3 +140,22 @@ def _assert_gone(pid: int, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"the engine process {pid} is still running")
+
+
+def test_outputs_cross_the_pipe_intact() -> None:
+    logprobs = [{5: Logprob(-0.25, 1, " a"), 9: Logprob(-1.5, 2, None)}, {7: Logprob(-0.5)}]
+    out = RequestOutput(
+        "r",
+        "the prompt",
+        [1, 2],
+        [
+            CompletionOutput(0, " a b", [5, 7], -0.75, logprobs, "stop", "b", None),
+            CompletionOutput(1, "", [], None, None, "abort", None, "deadline exceeded"),
+        ],
+        finished=True,
+        error="failed",
+        metrics=RequestMetrics(1.0, 2.0, None, 4.0),
+    )
+    back = unpack_output(pickle.loads(pickle.dumps(pack_output(out))))
+    assert back == dataclasses.replace(out, prompt=None, prompt_token_ids=[])
+    assert unpack_output(pack_output(RequestOutput("s", None, [3]))).metrics is None

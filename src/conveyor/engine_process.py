@@ -21,6 +21,7 @@ closes because the server process is gone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -35,12 +36,10 @@ from typing import Any
 from conveyor.config import EngineConfig
 from conveyor.engine import LLMEngine, PromptLimits
 from conveyor.engine_thread import EngineThread, StepStats
-from conveyor.outputs import RequestOutput
+from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_NO_PROMPT: list[int] = []  # outputs cross without their prompt; AsyncLLM knows it
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,9 +193,10 @@ class EngineProcess:
                 return
             kind = message[0]
             if kind == "step":
-                _, outputs, stats, applied = message
+                _, packed, packed_stats, applied = message
+                stats = StepStats(*packed_stats)
                 self._applied_seqs, self.last_stats = applied, stats
-                self._emit(outputs, stats)
+                self._emit([unpack_output(p) for p in packed], stats)
             elif kind == "reject":
                 self._reject(message[1], message[2])
             elif kind == "dead":
@@ -255,9 +255,8 @@ def run_engine_process(config: EngineConfig, commands: Connection, outbox: Conne
     send(("ready", info))
 
     def emit(outputs: list[RequestOutput], stats: StepStats) -> None:
-        for out in outputs:
-            out.prompt, out.prompt_token_ids = None, _NO_PROMPT
-        send(("step", outputs, stats, thread.applied_seqs))
+        packed_stats = dataclasses.astuple(stats)
+        send(("step", [pack_output(out) for out in outputs], packed_stats, thread.applied_seqs))
 
     thread = EngineThread(
         engine,
@@ -282,6 +281,48 @@ def run_engine_process(config: EngineConfig, commands: Connection, outbox: Conne
             thread.stop(command[1])
             break
     send(("stopped",))
+
+
+# -------------------------------------------------------------------- the wire format
+# Outputs cross the pipe as plain tuples: pickling the slotted dataclasses costs ~0.55 ms per
+# step of 64 outputs in the engine's thread (and ~0.35 ms to unpickle), tuples ~0.03 ms.
+# The prompt stays behind: AsyncLLM puts its own copy back into each output.
+
+
+def pack_output(out: RequestOutput) -> tuple[Any, ...]:
+    """A RequestOutput as nested tuples of plain values (prompt left out)."""
+    m = out.metrics
+    metrics = None
+    if m is not None:
+        metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time)
+    completions = [_pack_completion(c) for c in out.outputs]
+    return (out.request_id, completions, out.finished, out.error, metrics)
+
+
+def _pack_completion(c: CompletionOutput) -> tuple[Any, ...]:
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = [
+            {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items()}
+            for entry in c.logprobs
+        ]
+    return (
+        c.index, c.text, c.token_ids, c.cumulative_logprob, logprobs,
+        c.finish_reason, c.stop_reason, c.abort_reason,
+    )  # fmt: skip
+
+
+def unpack_output(packed: tuple[Any, ...]) -> RequestOutput:
+    """The RequestOutput `pack_output` packed, with prompt None and no prompt ids."""
+    request_id, completions, finished, error, metrics = packed
+    outputs = []
+    for index, text, ids, cumulative, logprobs, *ends in completions:
+        if logprobs is not None:
+            logprobs = [{t: Logprob(*lp) for t, lp in entry.items()} for entry in logprobs]
+        outputs.append(CompletionOutput(index, text, ids, cumulative, logprobs, *ends))
+    if metrics is not None:
+        metrics = RequestMetrics(*metrics)
+    return RequestOutput(request_id, None, [], outputs, finished, error, metrics)
 
 
 def _picklable(exc: Exception) -> Exception:
