@@ -5,8 +5,9 @@ below and warms it up; then, --rounds times, runs `conveyor bench serve`'s drive
 (synthetic workload, all requests at once unless --request-rate) and the same prompts and
 max_tokens through LLM.generate with the same engine settings in this process, alternating
 so that both see the same machine state; finally stops the server with SIGTERM (it must exit
-0). LLM.generate runs in a worker thread, as the server steps its engine (on a busy 2-core
-box, torch's two OpenMP threads can crawl when started from the main thread). Reports
+0). The server runs its engine in its own process unless --no-engine-process. LLM.generate
+runs in a worker thread, as the engine process steps its engine (on a busy 2-core box,
+torch's two OpenMP threads can crawl when started from the main thread). Reports
 
     ratio = server output tokens/s / LLM.generate output tokens/s   (median over rounds)
 

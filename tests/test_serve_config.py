@@ -159,3 +159,10 @@ def test_dockerfile_wheel_stage_builds_a_wheel_with_the_server(tmp_path) -> None
         assert f"conveyor/{module}" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "conveyor = conveyor.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_engine_process_is_the_default_and_can_be_turned_off() -> None:
+    assert build_serve_config(None, {})[1].engine_process is True
+    assert build_serve_config(None, {"engine_process": False})[1].engine_process is False
+    with pytest.raises(ValueError, match="engine_process must be true or false"):
+        build_serve_config(None, {"engine_process": "no"})

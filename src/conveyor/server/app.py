@@ -2,7 +2,8 @@
 
     /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize  need the key
     /health (200, or 503 when the engine is dead), /version, /metrics           stay open
-Handlers never block: the model runs in AsyncLLM's worker thread, errors go through errors.py.
+Handlers never block: the model runs in AsyncLLM's engine process (or thread); errors go
+through errors.py.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     )
     # Everything built so far (model, tokenizer, app) lives until exit: keep the cyclic GC
     # from rescanning it on every collection, which otherwise stalls streaming (and, through
-    # the GIL, the engine thread) under load.
+    # the GIL, an engine thread of this process) under load.
     gc.collect()
     gc.freeze()
     server = _GracefulServer(config, engine, grace)
