@@ -94,7 +94,6 @@ class EngineProcess:
         self._queued_seqs = 0
         self._applied_seqs = 0
         self.last_stats: StepStats | None = None  # the engine's latest report
-        self._stop_requested = False
         try:
             self.info = self._wait_until_ready(startup_timeout_s)
         except BaseException:
@@ -169,7 +168,6 @@ class EngineProcess:
     def stop(self, final_reason: str | None = None) -> None:
         """Blocking: the engine aborts what is left with `final_reason`, reports it, and the
         process exits (it is killed if it does not within 30 s)."""
-        self._stop_requested = True
         self._send(("stop", final_reason))
         if self.started:
             self._reader.join(60)
