@@ -95,7 +95,9 @@ class LLMEngine:
         config.max_model_len = self.runner.max_model_len
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(config)
-        self._limits = self.limits
+        # What any prompt must fit (plain numbers: safe to read from another thread).
+        kv_capacity = self.scheduler.block_manager.num_total_blocks * config.block_size
+        self.limits = PromptLimits(self.max_model_len, self.runner.vocab_size, kv_capacity)
         self._parents: dict[str, ParentRequest] = {}
         self._seqs: dict[str, SequenceState] = {}
         # What the current step scheduled (None until schedule() returned), for abort_step().
@@ -166,17 +168,9 @@ class LLMEngine:
         for seq in parent.seqs:
             self.scheduler.add_request(seq.request)
 
-    @property
-    def limits(self) -> PromptLimits:
-        """What any prompt must fit (read-only; safe to use from another thread)."""
-        blocks = self.scheduler.block_manager.num_total_blocks
-        return PromptLimits(
-            self.max_model_len, self.runner.vocab_size, blocks * self.config.block_size
-        )
-
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Reject a prompt that can never run; return its output cap (see PromptLimits)."""
-        return self._limits.check(prompt_ids, params)
+        return self.limits.check(prompt_ids, params)
 
     def abort_request(
         self, request_ids: str | list[str], reason: str | None = None

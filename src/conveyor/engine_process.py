@@ -120,7 +120,7 @@ class EngineProcess:
 
     # ---------------------------------------------------------------- EngineThread's API
     @property
-    def pid(self) -> int | None:
+    def pid(self) -> int:
         return self._process.pid
 
     @property
