@@ -10,9 +10,10 @@ compiled on a GPU or in its CPU interpreter (TRITON_INTERPRET=1); `INTERPRETED` 
 
 from __future__ import annotations
 
+from triton import knobs
+
 from conveyor.kernels.attention import paged_attention
 from conveyor.kernels.kv_write import write_kv
-from triton import knobs
 
 # Read once, like triton.jit did for every kernel above: setting the variable later changes
 # nothing for this process's kernels.

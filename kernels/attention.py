@@ -37,8 +37,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from conveyor.kernels._checks import check, check_kv_cache_dtype
 from triton import knobs
+
+from conveyor.kernels._checks import check, check_kv_cache_dtype
 
 LOG2E = 1.4426950408889634
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from conveyor.kernels._checks import check, check_kv_cache_dtype
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)

@@ -13,15 +13,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_pyproject_lists_every_package_folder():
+def test_kernels_folder_is_the_conveyor_kernels_package():
+    # kernels/ stays at the top level; src/conveyor/kernels links to it, so every package is
+    # under src/ and setuptools' package discovery (and a plain editable path entry) finds it.
+    link = ROOT / "src" / "conveyor" / "kernels"
+    assert link.is_symlink()
+    assert link.resolve() == (ROOT / "kernels").resolve()
     tomllib = pytest.importorskip("tomllib")
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = {
-        ".".join(init.parent.relative_to(ROOT / "src").parts)
-        for init in (ROOT / "src").rglob("__init__.py")
-    }
-    assert set(setuptools["packages"]) == found | {"conveyor.kernels"}
-    assert setuptools["package-dir"]["conveyor.kernels"] == "kernels"
+    assert setuptools["packages"]["find"]["where"] == ["src"]
+    assert "package-dir" not in setuptools  # a mapped package forces a finder-based install
+
+
+def test_import_works_beside_a_folder_named_conveyor(tmp_path):
+    # A clone named conveyor/ in the working directory must not shadow the installed package
+    # as a namespace package (it did while the editable install used an import finder).
+    (tmp_path / "conveyor").mkdir()
+    code = "import conveyor.kernels; from conveyor import LLM; print(conveyor.__file__)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()).parent.name == "conveyor"
 
 
 def test_wheel_installs_the_kernels_as_conveyor_kernels(tmp_path):
