@@ -24,9 +24,9 @@ process at 80 % of fifo's capacity.
 
 Writes benchmarks/results/scheduling.json and three PNGs next to it (throughput per policy,
 e2e latency CDFs, batch occupancy over time for static vs fifo), and prints the
-continuous/static ratios of throughput and p99 e2e latency.
+continuous/static ratios of throughput and p99 e2e latency. Progress bars go to stderr.
 
-    python benchmarks/scheduling.py                  # about 3-4 minutes on 2 cores
+    python benchmarks/scheduling.py                  # about 5 minutes on 2 cores
     python benchmarks/scheduling.py --num-requests 64 --sim-requests 500   # a smoke run
 """
 
@@ -36,12 +36,15 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from conveyor import LLM, SamplingParams
+from conveyor.bench_serve import require_matplotlib
 from conveyor.core.policies import available_policies
 from conveyor.core.scheduler import Scheduler
 from conveyor.simulator import RequestTimeline, SimulationResult, StepCost, format_table, simulate
@@ -107,14 +110,20 @@ class StepRecorder:
 
 
 def run_real(
-    llm: LLM, trace: list[TraceRequest], prompts: list[list[int]], policy: str, seqs: int
+    llm: LLM,
+    trace: list[TraceRequest],
+    prompts: list[list[int]],
+    policy: str,
+    seqs: int,
+    bar: tqdm | None = None,
 ) -> tuple[SimulationResult, StepRecorder]:
-    """Run the trace on the real engine under `policy`; times are relative to the start."""
+    """Run the trace on the real engine under `policy`; times are relative to the start.
+    `bar` advances by one per finished request."""
     engine = llm.llm_engine
     engine.scheduler = Scheduler(dataclasses.replace(engine.config, scheduler=policy))
     rec = StepRecorder(engine.scheduler)
     t0 = time.monotonic()
-    i = 0
+    i = done = 0
     while i < len(trace) or engine.has_unfinished_requests():
         now = time.monotonic()
         while i < len(trace) and t0 + trace[i].arrival_time <= now:
@@ -126,6 +135,9 @@ def run_real(
             i += 1
         if engine.has_unfinished_requests():
             engine.step()
+            if bar is not None:
+                bar.update(len(rec.finished) - done)
+                done = len(rec.finished)
         elif i < len(trace):
             time.sleep(max(0.0, t0 + trace[i].arrival_time - time.monotonic()))
     engine.step()  # hands the last finished ids to the runner
@@ -271,7 +283,7 @@ def plot(real: dict, sim: dict, out_dir: Path) -> list[Path]:
 
 
 def run_real_all(
-    llm: LLM, trace, prompts, seqs: int, repeats: int
+    llm: LLM, trace, prompts, seqs: int, repeats: int, desc: str = "", progress: bool = True
 ) -> tuple[dict, list[StepRecorder]]:
     """Every policy (and static-padded when all arrive at t = 0) on the real model.
 
@@ -282,24 +294,42 @@ def run_real_all(
     if all(r.arrival_time == 0 for r in trace):
         runs.append(("static-padded", pad_trace(trace, seqs), "static"))
     best: dict[str, tuple[SimulationResult, StepRecorder]] = {}
+    total = repeats * len(runs) * len(trace)
+    bar = tqdm(
+        total=total, desc=desc, unit="req", file=sys.stderr, leave=False, disable=not progress
+    )
     for _ in range(repeats):
         for name, run_trace, policy in runs:
-            result, rec = run_real(llm, run_trace, prompts, policy, seqs)
+            bar.set_postfix_str(name, refresh=False)
+            result, rec = run_real(llm, run_trace, prompts, policy, seqs, bar)
             if name == "static-padded":
                 unpad_result(result, trace, seqs)
             span = result.summary()["makespan_s"]
             if name not in best or span < best[name][0].summary()["makespan_s"]:
                 best[name] = (result, rec)
+    bar.close()
     return {k: v[0] for k, v in best.items()}, [v[1] for v in best.values()]
 
 
-def run_sim_all(trace, cost: StepCost, seqs: int) -> dict:
+def run_sim_all(trace, cost: StepCost, seqs: int, desc: str = "", progress: bool = True) -> dict:
     """Every policy (and static-padded when all arrive at t = 0) in the simulator."""
-    results = {q: simulate(trace, cost=cost, scheduler=q, max_num_seqs=seqs) for q in POLICIES}
-    if all(r.arrival_time == 0 for r in trace):
-        padded = simulate(pad_trace(trace, seqs), cost=cost, scheduler="static", max_num_seqs=seqs)
-        unpad_result(padded, trace, seqs)
-        results["static-padded"] = padded
+    padded = all(r.arrival_time == 0 for r in trace)
+    total = len(POLICIES) + padded
+    bar = tqdm(
+        total=total, desc=desc, unit="policy", file=sys.stderr, leave=False, disable=not progress
+    )
+    results = {}
+    for q in POLICIES:
+        bar.set_postfix_str(q, refresh=False)
+        results[q] = simulate(trace, cost=cost, scheduler=q, max_num_seqs=seqs)
+        bar.update()
+    if padded:
+        bar.set_postfix_str("static-padded", refresh=False)
+        result = simulate(pad_trace(trace, seqs), cost=cost, scheduler="static", max_num_seqs=seqs)
+        unpad_result(result, trace, seqs)
+        results["static-padded"] = result
+        bar.update()
+    bar.close()
     return results
 
 
@@ -319,9 +349,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sim-requests", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bars on stderr")
     args = p.parse_args(argv)
+    require_matplotlib("benchmarks/scheduling.py writes plots and")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    seqs = args.max_num_seqs
+    seqs, progress = args.max_num_seqs, not args.disable_tqdm
 
     llm = LLM(args.model, max_num_seqs=seqs, max_num_batched_tokens=2048, seed=0)
     vocab = llm.llm_engine.runner.vocab_size
@@ -334,7 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
         trace = make_trace(dist, args, args.num_requests, args.rate)
         rng = np.random.default_rng(args.seed + 1)
         prompts = [rng.integers(100, vocab - 100, size=r.prompt_len).tolist() for r in trace]
-        results, recs = run_real_all(llm, trace, prompts, seqs, args.repeats)
+        desc = f"demo model, {dist}"
+        results, recs = run_real_all(llm, trace, prompts, seqs, args.repeats, desc, progress)
         recorders += recs
         real[dist] = {}
         for name, result in results.items():
@@ -352,7 +385,8 @@ def main(argv: list[str] | None = None) -> dict:
         for key in (dist, f"{dist}-poisson"):
             trace = make_trace(dist, args, args.sim_requests, rate)
             sim[key] = {
-                q: {"summary": r.summary()} for q, r in run_sim_all(trace, cost, seqs).items()
+                q: {"summary": r.summary()}
+                for q, r in run_sim_all(trace, cost, seqs, f"simulator, {key}", progress).items()
             }
             label = "all at t=0" if rate == math.inf else f"Poisson {rate:.1f} req/s"
             print(f"\n== simulator, {key}, {args.sim_requests} requests ({label}), batch {seqs}")

@@ -1,7 +1,8 @@
 """Serving benchmark: `conveyor serve` over HTTP against LLM.generate on the same workload.
 
-Starts `conveyor serve` (demo model unless --model-path) on a free port with the engine flags
-below and warms it up; then, --rounds times, runs `conveyor bench serve`'s driver against it
+Starts `conveyor serve` (demo model unless --model, a checkpoint folder; --served-model-name
+goes to the server and names the requests) on a free port with the engine flags below and
+warms it up; then, --rounds times, runs `conveyor bench serve`'s driver against it
 (synthetic workload, all requests at once unless --request-rate) and the same prompts and
 max_tokens through LLM.generate with the same engine settings in this process, alternating
 so that both see the same machine state; finally stops the server with SIGTERM (it must exit
@@ -12,7 +13,8 @@ torch's two OpenMP threads can crawl when started from the main thread). Reports
     ratio = server output tokens/s / LLM.generate output tokens/s   (median over rounds)
 
 Target: >= 0.85 with all requests at once (the HTTP and streaming path is not the
-bottleneck). Writes benchmarks/results/serve.json and serve_latency.png.
+bottleneck). Writes benchmarks/results/serve.json and serve_latency.png. Progress bars (the
+client's requests, LLM.generate's prompts) go to stderr.
 
     python benchmarks/serve.py --num-prompts 200 --input-len 32 --output-len 64
 """
@@ -36,7 +38,14 @@ from pathlib import Path
 import httpx
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench_serve import BenchRequest, add_arguments, bench, run, synthetic_workload
+from conveyor.bench_serve import (
+    BenchRequest,
+    add_arguments,
+    bench,
+    require_matplotlib,
+    run,
+    synthetic_workload,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,16 +71,23 @@ def _engine_flags(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def server_command(args: argparse.Namespace, port: int) -> list[str]:
+    """The `conveyor serve` command line for these benchmark flags."""
     command = [*conveyor_command(), "serve", "--port", str(port), "--log-level", "warning"]
     command += ["--log-stats-interval", "0", "--max-waiting-requests", "100000"]
-    if args.model_path:
-        command += ["--model", args.model_path]
+    if args.model:
+        command += ["--model", args.model]
+    if args.served_model_name:
+        command += ["--served-model-name", args.served_model_name]
     for key, value in _engine_flags(args).items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     command += ["--engine-process" if args.engine_process else "--no-engine-process"]
-    proc = subprocess.Popen(command)
+    return command
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(server_command(args, port))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -88,7 +104,7 @@ def llm_generate(args: argparse.Namespace, requests: list) -> Callable[[], float
     """An LLM with the server's engine settings; the returned function runs the workload
     through LLM.generate in a worker thread (as the server steps its engine) and returns its
     output tokens per second."""
-    llm = LLM(args.model_path, seed=0, **_engine_flags(args))
+    llm = LLM(args.model, seed=0, **_engine_flags(args))
     prompts = [r.prompt for r in requests]
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests
@@ -99,7 +115,7 @@ def llm_generate(args: argparse.Namespace, requests: list) -> Callable[[], float
 
     def timed() -> float:
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return round(tokens / (time.perf_counter() - start), 2)
 
@@ -110,11 +126,12 @@ def llm_generate(args: argparse.Namespace, requests: list) -> Callable[[], float
     return run
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """`conveyor bench serve`'s flags plus the server's model and engine flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_arguments(parser)
     add = parser.add_argument
-    add("--model-path", help="HF checkpoint folder (default: the demo model)")
+    add("--model", help="HF checkpoint folder (default: the demo model)")
     add("--max-num-seqs", type=int, default=64)
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--num-kv-blocks", type=int, default=1024)
@@ -126,7 +143,13 @@ def main(argv: list[str] | None = None) -> dict:
         result_json=ROOT / "benchmarks/results/serve.json",
         plot=ROOT / "benchmarks/results/serve_latency.png",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.plot is not None:
+        require_matplotlib()
     proc, args.base_url = start_server(args)
     quiet = argparse.Namespace(**{**vars(args), "result_json": None, "plot": None})
     rounds = []

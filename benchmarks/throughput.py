@@ -8,7 +8,8 @@ max_num_seqs = --batch-size; transformers runs it in static padded batches of th
 tokens each request asked for count, for both. Prints one JSON object.
 
 Shared machines are noisy: each side runs --repeats times, interleaved (conveyor, transformers,
-conveyor, ...), and the fastest run of each side is reported (with all the times).
+conveyor, ...), and the fastest run of each side is reported (with all the times). Progress
+bars (LLM.generate's prompts, transformers' batches) go to stderr; stdout has only the JSON.
 
     python benchmarks/throughput.py --num-requests 256 --batch-size 16
 """
@@ -22,6 +23,7 @@ import time
 import numpy as np
 import torch
 import transformers
+from tqdm.auto import tqdm
 
 from conveyor import LLM, SamplingParams
 from conveyor.demo import demo_model_path
@@ -38,7 +40,7 @@ def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     return prompts, out_lens.tolist()
 
 
-def conveyor_runner(model: str, prompts, out_lens, batch_size: int):
+def conveyor_runner(model: str, prompts, out_lens, batch_size: int, progress: bool = True):
     """A function that runs the whole workload through LLM.generate and returns seconds."""
     llm = LLM(model, max_num_seqs=batch_size, max_num_batched_tokens=2048, seed=0)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
@@ -46,7 +48,7 @@ def conveyor_runner(model: str, prompts, out_lens, batch_size: int):
 
     def run() -> float:
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=progress)
         seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         if tokens != sum(out_lens):
@@ -56,7 +58,7 @@ def conveyor_runner(model: str, prompts, out_lens, batch_size: int):
     return run
 
 
-def transformers_runner(model: str, prompts, out_lens, batch_size: int):
+def transformers_runner(model: str, prompts, out_lens, batch_size: int, progress: bool = True):
     """A function that runs the workload in static padded batches and returns seconds."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     pad = hf.generation_config.pad_token_id or hf.generation_config.eos_token_id
@@ -83,7 +85,8 @@ def transformers_runner(model: str, prompts, out_lens, batch_size: int):
     @torch.inference_mode()
     def run() -> float:
         start = time.perf_counter()
-        for i in range(0, len(prompts), batch_size):
+        batches = range(0, len(prompts), batch_size)
+        for i in tqdm(batches, desc="transformers batches", disable=not progress):
             batch_generate(prompts[i : i + batch_size], out_lens[i : i + batch_size])
         return time.perf_counter() - start
 
@@ -113,15 +116,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="runs per side; the best counts")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bars on stderr")
     args = p.parse_args(argv)
+    progress = not args.disable_tqdm
 
     model = args.model or str(demo_model_path())
     vocab = transformers.AutoConfig.from_pretrained(model).vocab_size
     prompts, out_lens = make_workload(args, vocab)
-    runners = {"conveyor": conveyor_runner(model, prompts, out_lens, args.batch_size)}
+    runners = {"conveyor": conveyor_runner(model, prompts, out_lens, args.batch_size, progress)}
     if not args.skip_transformers:
         runners["transformers_static"] = transformers_runner(
-            model, prompts, out_lens, args.batch_size
+            model, prompts, out_lens, args.batch_size, progress
         )
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(args.repeats):

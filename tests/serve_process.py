@@ -87,7 +87,7 @@ def start_server(args: list[str], tmp_dir: Path, env: dict[str, str] | None = No
             return server
         except RuntimeError:
             server.stop(signal.SIGKILL)
-            if not re.search(r"address already in use", server.log(), re.I):
+            if not re.search(r"already in use", server.log(), re.I):
                 raise
     raise RuntimeError("no free port found for conveyor serve")
 

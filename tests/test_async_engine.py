@@ -192,9 +192,76 @@ def test_stats_log_line_reports_throughput_while_busy(caplog) -> None:
         "r", "p", [1, 2], [CompletionOutput(0, "ab", [5, 6])], metrics=RequestMetrics(0.0)
     )
     assert metrics.record_output(out, 2, None, now=1.0) == 1.0
-    metrics.record_step(2, num_running=1, num_waiting=3, kv_usage=0.25, num_preemptions=0)
+    metrics.record_step(
+        2, num_running=1, num_waiting=3, kv_usage=0.25, num_preemptions=0, step_time_s=2.0
+    )
     with caplog.at_level("INFO", logger="conveyor.stats"):
         metrics.maybe_log(metrics._last_log + 2.0)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "prompt throughput: 1.0 tokens/s" in line and "generation throughput: 1.0" in line
     assert "Running: 1 reqs, Waiting: 3 reqs, KV cache usage: 25.0%" in line
+
+
+def test_stats_log_line_rates_are_over_busy_time_and_idle_intervals_log_nothing(caplog) -> None:
+    from conveyor.metrics import EngineMetrics
+    from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    now = [100.0]
+    metrics = EngineMetrics("m", log_interval_s=5.0, clock=lambda: now[0])
+    last = None
+    with caplog.at_level("INFO", logger="conveyor.stats"):
+        # A burst: 10 steps of 0.05 s, 10 new tokens each, for one request of 20 prompt tokens.
+        for i in range(10):
+            now[0] += 0.05
+            delta = CompletionOutput(0, "x" * 10, list(range(10)))
+            out = RequestOutput("r", "p", list(range(20)), [delta], finished=i == 9)
+            out.metrics = RequestMetrics(100.0)
+            last = metrics.record_output(out, 20, last, now[0])
+            running = int(i < 9)
+            metrics.record_step(10, running, 0, 0.1 * running, 0, step_time_s=0.05)
+            metrics.maybe_log(now[0])
+        assert not caplog.records  # 0.5 s: the interval is not over
+        metrics.maybe_log(130.5)  # after 30 s idle: the burst's rate, not 100 tokens / 30.5 s
+        metrics.maybe_log(140.0)  # an interval in which nothing ran: no line
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "prompt throughput: 40.0 tokens/s" in line
+    assert "generation throughput: 200.0 tokens/s" in line
+    assert "Running: 0 reqs, Waiting: 0 reqs" in line and "Engine busy: 0.50 s of 30.5 s" in line
+
+    caplog.clear()
+    metrics.record_step(0, 0, 3, 0.0, 0)  # requests wait but no step runs: shown, at 0 tokens/s
+    with caplog.at_level("INFO", logger="conveyor.stats"):
+        metrics.maybe_log(146.0)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "generation throughput: 0.0 tokens/s" in line and "Waiting: 3 reqs" in line
+    assert "Engine busy: 0.00 s of 6.0 s" in line
+
+
+def test_engine_thread_reports_how_long_each_step_ran(demo_model_dir) -> None:
+    import threading
+
+    from conveyor.config import EngineConfig
+    from conveyor.engine import LLMEngine
+    from conveyor.engine_thread import EngineThread
+
+    stats, errors, done = [], [], threading.Event()
+
+    def emit(outputs, step_stats) -> None:
+        stats.append(step_stats)
+        if any(o.finished for o in outputs):
+            done.set()
+
+    engine = LLMEngine(EngineConfig(model=str(demo_model_dir), num_kv_blocks=64))
+    thread = EngineThread(
+        engine, emit=emit, reject=lambda _, e: errors.append(e), on_dead=errors.append
+    )
+    thread.start()
+    ids = engine.tokenizer.encode("Hello there")
+    thread.add("r", "Hello there", ids, GREEDY, arrival_time=0.0)
+    assert done.wait(60)
+    thread.stop()
+    assert not errors
+    stepped = [s for s in stats if s.num_tokens]
+    assert sum(s.num_tokens for s in stepped) == len(ids) + GREEDY.max_tokens - 1
+    assert all(s.step_time_s > 0 for s in stepped)
+    assert stats[-1].num_tokens == 0 and stats[-1].step_time_s == 0.0  # the stop's emit

@@ -1,10 +1,12 @@
-"""LLM.generate on the demo model: prompt forms, order, n, sampling, stops and bad input."""
+"""LLM.generate and LLM.chat on the demo model: prompt forms, order, n, sampling, stops, chat
+templates and bad input; `conveyor generate --chat`."""
 
 from __future__ import annotations
 
 import pytest
 
 from conveyor import LLM, SamplingParams
+from conveyor.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +187,68 @@ def test_default_model_is_the_embedded_demo(monkeypatch, tmp_path, demo_model_di
     monkeypatch.setattr(demo, "demo_model_path", lambda: demo_model_dir)
     out = LLM(num_kv_blocks=32).generate("hi", GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+OTHER_CHAT = [{"role": "user", "content": [{"type": "text", "text": "Tell me a story."}]}]
+
+
+def test_chat_equals_generate_on_the_rendered_prompt(llm):
+    tok = llm.get_tokenizer()
+    rendered = [tok.apply_chat_template(c) for c in (CHAT, OTHER_CHAT)]
+    expected = llm.generate(rendered, GREEDY, use_tqdm=False)
+    one = llm.chat(CHAT, GREEDY, use_tqdm=False)
+    both = llm.chat([CHAT, OTHER_CHAT], GREEDY, use_tqdm=False)
+    assert len(one) == 1 and len(both) == 2
+    for out, exp in zip([one[0], *both], [expected[0], *expected], strict=True):
+        assert out.prompt_token_ids == exp.prompt_token_ids
+        assert out.outputs[0].token_ids == exp.outputs[0].token_ids
+        assert out.outputs[0].text == exp.outputs[0].text
+    assert one[0].prompt == "<|im_start|>system\nBe brief.<|im_end|>\n" + (
+        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    )
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    bare = llm.chat(CHAT, GREEDY, use_tqdm=False, add_generation_prompt=False)[0]
+    assert bare.prompt_token_ids + header == one[0].prompt_token_ids
+
+
+def test_chat_renders_the_developer_role_as_system(llm):
+    developer = [{"role": "developer", "content": "Be brief."}, CHAT[1]]
+    as_developer = llm.chat(developer, GREEDY, use_tqdm=False)[0]
+    as_system = llm.chat(CHAT, GREEDY, use_tqdm=False)[0]
+    assert as_developer.prompt_token_ids == as_system.prompt_token_ids
+    assert as_developer.outputs[0].token_ids == as_system.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("messages", "problem"),
+    [
+        ([], "non-empty list"),
+        ("Hi!", "non-empty list"),
+        (["Hi!"], r"messages\[0\] must be a dict"),
+        ([{"content": "Hi!"}], r"messages\[0\] needs a 'role'"),
+        ([{"role": "user", "content": 5}], r"messages\[0\].content must be a string"),
+        ([[CHAT[0]], [CHAT[0], {"role": None}]], r"messages\[1\] needs a 'role'"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+            r"messages\[0\].content\[0\] must be a \{'type': 'text'",
+        ),
+    ],
+)
+def test_chat_rejects_malformed_messages_naming_the_problem(llm, messages, problem):
+    with pytest.raises(ValueError, match=problem):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_cli_generate_chat_prints_the_llm_chat_replies(llm, demo_model_dir, capsys):
+    prompts = ["Hi!", "Tell me a story."]
+    argv = ["generate", "--chat", "--model", str(demo_model_dir), "--max-tokens", "8", *prompts]
+    assert main(argv) == 0
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    replies = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    expected = ""
+    for prompt, out in zip(prompts, replies, strict=True):
+        c = out.outputs[0]
+        expected += f"--- {prompt!r} ({c.finish_reason}, {len(c.token_ids)} tokens)\n{c.text}\n"
+    assert capsys.readouterr().out == expected

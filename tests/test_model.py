@@ -269,3 +269,20 @@ def test_kv_cache_size_matches_allocation(models):
     assert caches[0].shape == (2, NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
     total = sum(c.numel() * c.element_size() for c in caches)
     assert kv_cache_bytes_per_block(cfg, BLOCK_SIZE, torch.float32) * NUM_BLOCKS == total
+
+
+def test_kv_cache_default_fits_the_demo_and_never_exceeds_what_max_num_seqs_can_use(
+    demo_model_dir,
+):
+    from conveyor.config import EngineConfig
+    from conveyor.model.runner import DEMO_KV_CACHE_SPACE_GB, ModelRunner
+
+    demo = ModelRunner(EngineConfig(device="cpu"), str(demo_model_dir))  # config.model None
+    per_block = kv_cache_bytes_per_block(demo.model.config, 16, torch.float32)
+    assert demo.num_kv_blocks == int(DEMO_KV_CACHE_SPACE_GB * 2**30) // per_block
+    # A budget far beyond need: 2 sequences of max_model_len 256 hold 2 * 16 blocks at most.
+    big = EngineConfig(
+        model=str(demo_model_dir), device="cpu", max_num_seqs=2, max_model_len=256,
+        kv_cache_space_gb=4.0,
+    )  # fmt: skip
+    assert ModelRunner(big, str(demo_model_dir)).num_kv_blocks == 2 * 256 // 16

@@ -85,8 +85,22 @@ def test_cli_serve_has_the_design_flags() -> None:
         "m",
         1,
         3,
-        "n",
+        ["n"],
     )
+
+
+def test_served_model_name_takes_aliases_from_the_flag_and_the_yaml_file(tmp_path) -> None:
+    args = vars(build_parser().parse_args(["serve", "--served-model-name", "qwen", "q", "qwen"]))
+    overrides = {k: v for k, v in args.items() if k not in ("command", "func", "config")}
+    assert build_serve_config(None, overrides)[1].served_model_name == ["qwen", "q"]
+    config = tmp_path / "c.yaml"
+    config.write_text("served-model-name: [qwen, q]\n")
+    assert build_serve_config(config, {})[1].served_model_name == ["qwen", "q"]
+    config.write_text("served-model-name: qwen\n")  # one name may stay a plain string
+    assert build_serve_config(config, {})[1].served_model_name == ["qwen"]
+    for bad in ([], [""], ["ok", 3], 5):
+        with pytest.raises(ValueError, match="served_model_name must be a non-empty name"):
+            ServerConfig(served_model_name=bad)
 
 
 def test_scheduling_and_admission_flags_reach_the_configs(tmp_path) -> None:

@@ -162,6 +162,52 @@ def test_chat_logprobs_list_top_alternatives(client) -> None:
         assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
 
 
+def test_streamed_completion_logprobs_concatenate_to_the_non_streamed_ones(client) -> None:
+    kwargs = dict(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert all(c.logprobs is not None and c.logprobs.tokens is not None for c in chunks)
+    streamed = {
+        field: [v for c in chunks for v in getattr(c.logprobs, field)]
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
+    assert len(whole.tokens) == 12
+    assert streamed == {field: getattr(whole, field) for field in streamed}
+    for c in chunks:  # each chunk's logprobs describe exactly its own text
+        assert "".join(c.logprobs.tokens) == c.text
+
+
+def test_streamed_chat_logprobs_concatenate_to_the_non_streamed_ones(client) -> None:
+    kwargs = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True)]
+    assert chunks[0].logprobs is None  # the role chunk comes before any token
+    streamed = [t for c in chunks[1:] for t in c.logprobs.content]
+    assert len(whole) == 8
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in whole]
+
+
+def test_developer_role_renders_as_system(server, client) -> None:
+    def chat(role: str) -> list[dict[str, str]]:
+        return [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+
+    url = f"{server.base_url}/tokenize"
+    as_system = httpx.post(url, json={"messages": chat("system")}).json()["tokens"]
+    as_developer = httpx.post(url, json={"messages": chat("developer")}).json()["tokens"]
+    assert as_developer == as_system
+    kwargs = dict(model=MODEL, temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
+    system = client.chat.completions.create(messages=chat("system"), **kwargs)
+    developer = client.chat.completions.create(messages=chat("developer"), **kwargs)
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens == len(as_system)
+    assert developer.choices[0].message.content == system.choices[0].message.content
+
+
 def test_include_usage_adds_one_final_chunk_with_empty_choices(server) -> None:
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "stream": True, "ignore_eos": True}
     body["stream_options"] = {"include_usage": True}

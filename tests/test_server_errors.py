@@ -18,6 +18,7 @@ from conveyor import demo
 
 KEY = "sk-test-key"
 NAME = "tiny"
+ALIAS = "tiny-alias"  # a second served name: accepted in requests, never reported
 OK_MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
@@ -31,7 +32,8 @@ def server(demo_model_dir, tmp_path_factory):
     config = tmp / "serve.yaml"
     # port 1 would fail to bind: the --port flag the helper passes must win over the file.
     config.write_text(
-        f"served-model-name: {NAME}\napi_key: {KEY}\nport: 1\nnum_kv_blocks: 160\nmax_num_seqs: 8\n"
+        f"served-model-name: [{NAME}, {ALIAS}]\napi_key: {KEY}\nport: 1\nnum_kv_blocks: 160\n"
+        "max_num_seqs: 8\n"
     )
     env = {"CONVEYOR_CACHE_DIR": str(tmp / "cache")}
     proc = start_server(["--config", str(config)], tmp, env=env)
@@ -180,6 +182,22 @@ def test_health_version_and_metrics_need_no_key(server) -> None:
     assert httpx.get(f"{url}/version").status_code == 200
     metrics = httpx.get(f"{url}/metrics")
     assert metrics.status_code == 200 and f'model_name="{NAME}"' in metrics.text
+
+
+def test_an_alias_is_accepted_listed_and_the_first_name_reported(http) -> None:
+    assert [card["id"] for card in http.get("/v1/models").json()["data"]] == [NAME, ALIAS]
+    resp = http.post("/v1/completions", json={"model": ALIAS, "prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 200 and resp.json()["model"] == NAME
+    tokens = http.post("/tokenize", json={"model": ALIAS, "prompt": "x"})
+    assert tokens.status_code == 200
+
+
+def test_unknown_model_404_lists_the_served_names(http) -> None:
+    for path, body in ((CMPL, _p(model="gpt-4")), (CHAT, _m(model="gpt-4"))):
+        error = http.post(path, json=body).json()["error"]
+        assert error["message"] == (
+            f"The model `gpt-4` does not exist. This server serves: `{NAME}`, `{ALIAS}`."
+        )
 
 
 def test_served_without_model_flag_it_is_the_demo_model(http) -> None:

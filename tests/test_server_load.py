@@ -121,3 +121,13 @@ def test_bench_serve_reports_like_vllm_bench_serve(server, tmp_path, capsys) -> 
     assert main([*common, "--dataset", str(dataset)]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["successful_requests"] == 2 and summary["total_output_tokens"] == 5
+
+    # Requests carry --served-model-name; by default the server's first /v1/models entry.
+    served = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    assert summary["model"] == served
+    assert main([*common, "--dataset", str(dataset), "--served-model-name", served]) == 0
+    assert json.loads(capsys.readouterr().out)["successful_requests"] == 2
+    assert main([*common, "--dataset", str(dataset), "--served-model-name", "not-served"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["model"], summary["failed_requests"]) == ("not-served", 2)
+    assert "HTTP 404" in summary["errors"][0]

@@ -180,6 +180,19 @@ def test_chat_template_renders_messages(tok: Tokenizer) -> None:
     assert tok.decode(no_prompt, skip_special_tokens=False) == rendered.rsplit("<|im_start|>", 1)[0]
 
 
+def test_chat_template_gets_developer_as_system_and_text_parts_joined(tok: Tokenizer) -> None:
+    parts = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]
+    ids = tok.apply_chat_template([{"role": "developer", "content": parts}])
+    rendered = "<|im_start|>system\nBe\nbrief.<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == tok.encode(rendered, add_special_tokens=False)
+
+
+def test_chat_template_error_is_a_value_error_naming_it(tok: Tokenizer) -> None:
+    template = "{{ raise_exception('Conversation roles must alternate') }}"
+    with pytest.raises(ValueError, match="refused these messages: Conversation roles must"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template)
+
+
 def test_chat_without_template_is_a_value_error(tiny_tokenizer_dir: Path) -> None:
     hf = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     hf.chat_template = None

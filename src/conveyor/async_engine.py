@@ -22,8 +22,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from conveyor.config import EngineConfig
@@ -49,14 +51,28 @@ DEMO_MODEL_NAME = "conveyor-demo"
 _SHUTDOWN_REASON = "server shutting down: the request did not finish within the grace period"
 
 
+def served_model_names(served: str | Sequence[str] | None, model: str | None) -> list[str]:
+    """The names a server answers to: `served` (one or a list), else the checkpoint folder's
+    last path component, else the demo's name."""
+    if isinstance(served, str):
+        return [served]
+    if served:
+        return list(dict.fromkeys(served))
+    if model is None:
+        return [DEMO_MODEL_NAME]
+    # abspath, not resolve: "." and ".." name their folder, a symlink keeps its own name.
+    return [Path(os.path.abspath(model)).name or str(model)]
+
+
 class AsyncLLM:
     """Serve many concurrent requests from one engine, streaming deltas as they are made.
 
     Args:
         model: a Hugging Face checkpoint folder; None serves the embedded demo model.
         config: a ready EngineConfig, instead of `model` and `**kwargs`.
-        served_model_name: the name reported in metrics (default: `model`, or
-            "conveyor-demo").
+        served_model_name: the model's name, or a list of names (aliases); the first is
+            reported in responses and metrics, and all are accepted in requests. Default:
+            the checkpoint folder's name (`models/qwen` is "qwen"), or "conveyor-demo".
         log_stats_interval_s: seconds between throughput log lines while busy (0: never).
         max_waiting_requests: most sequences that may wait for admission before
             `check_admission` refuses more; None: one per KV block, at least max_num_seqs.
@@ -71,7 +87,7 @@ class AsyncLLM:
         model: str | None = None,
         *,
         config: EngineConfig | None = None,
-        served_model_name: str | None = None,
+        served_model_name: str | Sequence[str] | None = None,
         log_stats_interval_s: float = 5.0,
         max_waiting_requests: int | None = None,
         engine_process: bool = False,
@@ -102,7 +118,8 @@ class AsyncLLM:
             self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.limits.max_model_len
         self.vocab_size = self.limits.vocab_size
-        self.model_name = served_model_name or config.model or DEMO_MODEL_NAME
+        self.served_model_names = served_model_names(served_model_name, config.model)
+        self.model_name = self.served_model_names[0]
         self.metrics = EngineMetrics(self.model_name, log_stats_interval_s)
         if max_waiting_requests is None:  # the engine resolved num_kv_blocks
             max_waiting_requests = max(config.num_kv_blocks or 1, config.max_num_seqs)
@@ -282,7 +299,7 @@ class AsyncLLM:
                 stream.queue.put_nowait(out)
         self.metrics.record_step(
             stats.num_tokens, stats.num_running, stats.num_waiting, stats.kv_usage,
-            stats.num_preemptions,
+            stats.num_preemptions, stats.step_time_s,
         )  # fmt: skip
         self.metrics.maybe_log(now)
 

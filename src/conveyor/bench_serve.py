@@ -12,6 +12,8 @@ flight. Per request it records, from the client's side:
 
 and reports successful / failed requests, request and token throughput, and mean, median and
 p99 of TTFT, TPOT, ITL and E2E in ms, as JSON (and a PNG of their CDFs with matplotlib).
+Requests carry `--served-model-name` (default: the server's first /v1/models entry); a
+progress bar of finished requests goes to stderr.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+from tqdm.auto import tqdm
 
 from conveyor.bench_client import request, stream_events
 
@@ -62,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `conveyor bench serve` flags (benchmarks/serve.py adds its own on top)."""
     add = parser.add_argument
     add("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
-    add("--model", help="model name to send (default: the server's first /v1/models entry)")
+    # Not --model: that is a checkpoint folder everywhere else (conveyor serve, benchmarks/).
+    add("--served-model-name", metavar="NAME",
+        help="model name requests send (default: the server's first /v1/models entry)")  # fmt: skip
     add("--api-key", help="sent as 'Authorization: Bearer KEY'")
     add("--dataset", type=Path, metavar="FILE", help="JSONL workload instead of synthetic")
     add("--num-prompts", type=int, default=200, metavar="N", help="requests (default 200)")
@@ -74,6 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="workload and arrival seed (0)")
     add("--result-json", type=Path, metavar="FILE", help="also write the result here")
     add("--plot", type=Path, metavar="FILE", help="write a PNG of the latency CDFs here")
+    add("--disable-tqdm", action="store_true", help="no progress bar on stderr")
+
+
+def require_matplotlib(what: str = "--plot") -> None:
+    """Exit with a one-line message unless matplotlib imports: call it right after parsing,
+    so a missing extra stops the run before the benchmark, not after it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            f"{what} needs matplotlib, which is not installed: pip install -e '.[bench]'"
+        ) from None
 
 
 def _lengths(n: int, mean: int, ratio: float, rng: random.Random) -> list[int]:
@@ -172,17 +191,23 @@ async def run_requests(
     rate: float,
     concurrency: int | None,
     seed: int,
+    progress: tqdm | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every request (Poisson arrivals at `rate`/s, inf: at once); returns the results
-    in request order and the wall time from the first send to the last answer."""
+    in request order and the wall time from the first send to the last answer. `progress`
+    advances by one per answered request."""
     rng = random.Random(seed + 1)
     gate = asyncio.Semaphore(concurrency) if concurrency else None
 
     async def limited(req: BenchRequest) -> RequestResult:
         if gate is None:
-            return await _one(url, headers, model, req)
-        async with gate:
-            return await _one(url, headers, model, req)
+            result = await _one(url, headers, model, req)
+        else:
+            async with gate:
+                result = await _one(url, headers, model, req)
+        if progress is not None:
+            progress.update()
+        return result
 
     start = time.perf_counter()
     tasks = []
@@ -263,7 +288,7 @@ async def bench(args: argparse.Namespace, requests: list[BenchRequest] | None = 
         the summary (also written to --result-json, with --plot as a PNG).
     """
     headers = _headers(args)
-    model = args.model
+    model = args.served_model_name
     if model is None:
         async with request(args.base_url, "GET", "/v1/models", None, headers) as resp:
             model = (await resp.json())["data"][0]["id"]
@@ -272,9 +297,14 @@ async def bench(args: argparse.Namespace, requests: list[BenchRequest] | None = 
             requests = load_jsonl(args.dataset, args.num_prompts)
         else:
             requests = await synthetic_workload(args)
-    results, duration = await run_requests(
-        args.base_url, headers, model, requests, args.request_rate, args.max_concurrency, args.seed
+    bar = tqdm(
+        total=len(requests), desc="requests", unit="req", file=sys.stderr, disable=args.disable_tqdm
     )
+    with bar:
+        results, duration = await run_requests(
+            args.base_url, headers, model, requests, args.request_rate, args.max_concurrency,
+            args.seed, bar,
+        )  # fmt: skip
     summary = {
         "model": model,
         "num_prompts": len(requests),
@@ -304,6 +334,8 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
 def main(args: argparse.Namespace) -> int:
     """`conveyor bench serve`: print the summary as JSON; 1 if any request failed."""
+    if args.plot is not None:
+        require_matplotlib()
     summary = run(bench(args))
     print(json.dumps(summary, indent=2))
     return 0 if summary["failed_requests"] == 0 else 1

@@ -45,6 +45,11 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each PROMPT as one user message through the chat template (LLM.chat)",
+    )
     parser.set_defaults(func=_generate)
 
 
@@ -55,12 +60,16 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
     llm = LLM(args.model)
-    for out in llm.generate(args.prompts, params, use_tqdm=False):
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        outs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompts, params, use_tqdm=False)
+    for prompt, out in zip(args.prompts, outs, strict=True):
         completion = out.outputs[0]
-        print(
-            f"--- {out.prompt!r} ({completion.finish_reason}, {len(completion.token_ids)} tokens)"
-        )
-        print(out.prompt + completion.text)
+        print(f"--- {prompt!r} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")
+        # A chat reply stands alone; a completion continues its prompt.
+        print(completion.text if args.chat else prompt + completion.text)
     return 0
 
 
@@ -80,7 +89,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     add("--port", type=int, help="port (default 8000)")
     add("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${_API_KEY_ENV})")
-    add("--served-model-name", metavar="NAME", help="model name clients send")
+    add("--served-model-name", metavar="NAME", nargs="+", help="model name(s) clients send; "
+        "the first is reported (default: the --model folder's name)")  # fmt: skip
     add("--scheduler", metavar="NAME", help="scheduling policy (default fifo)")
     add("--max-num-seqs", type=int, metavar="N", help="max requests per step (default 64)")
     add("--max-num-batched-tokens", type=int, metavar="N", help="token budget per step")

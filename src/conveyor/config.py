@@ -27,7 +27,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_space_gb: float = 1.0
+    # KV memory when num_kv_blocks is None; None: 1 GiB (1/8 GiB for the demo model). Never
+    # more blocks than max_num_seqs sequences of max_model_len tokens can use.
+    kv_cache_space_gb: float | None = None
     max_model_len: int | None = None
     attention_backend: str = "auto"
     dtype: str = "auto"
@@ -58,8 +60,17 @@ class EngineConfig:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
-        if not self.kv_cache_space_gb > 0:
+        if self.kv_cache_space_gb is not None and not self.kv_cache_space_gb > 0:
             raise ValueError(f"kv_cache_space_gb must be > 0, got {self.kv_cache_space_gb}.")
+        # Here, not when the scheduler is built: that comes after the weights and the KV cache.
+        # (Imported late: core/policies.py imports this module.)
+        from conveyor.core.policies import available_policies
+
+        if self.scheduler not in available_policies():
+            raise ValueError(
+                f"unknown scheduler {self.scheduler!r}; choose one of: "
+                f"{', '.join(available_policies())}."
+            )
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)

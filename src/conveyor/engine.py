@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from conveyor.checkpoint import check_checkpoint
 from conveyor.config import EngineConfig
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.scheduler import Scheduler
@@ -86,9 +87,11 @@ class LLMEngine:
         from conveyor.demo import demo_model_path
 
         self.config = config
+        # The file checks first: a wrong folder is named before any weight is read.
+        check_checkpoint(config.model, config.tokenizer)
         model_path = str(config.model or demo_model_path())
         self.model_path = model_path
-        self.runner = ModelRunner(config, model_path)  # first: it names a missing config.json
+        self.runner = ModelRunner(config, model_path)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_path)
         # Resolve what the checkpoint and the memory budget decide, then build the scheduler.
         config.num_kv_blocks = self.runner.num_kv_blocks

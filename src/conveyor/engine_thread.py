@@ -40,6 +40,7 @@ class StepStats:
     num_waiting: int
     kv_usage: float
     num_preemptions: int
+    step_time_s: float = 0.0  # how long engine.step() ran; 0 when no step ran
 
 
 class EngineThread:
@@ -138,14 +139,16 @@ class EngineThread:
                     ids = engine.unfinished_request_ids()
                     logger.warning("Shutdown grace period is over: aborting %d requests.", len(ids))
                     outputs += engine.abort_request(ids, self._abort_reason)
-                num_tokens = 0
+                num_tokens, step_time = 0, 0.0
                 if engine.has_unfinished_requests():
+                    start = time.monotonic()
                     try:
                         outputs += engine.step()
                     except Exception as exc:
                         outputs += self._fail_step(exc)
+                    step_time = time.monotonic() - start
                     num_tokens = engine.last_step_num_tokens
-                self._emit(outputs, self._stats(num_tokens))
+                self._emit(outputs, self._stats(num_tokens, step_time))
                 if not engine.has_unfinished_requests() and not self._inbox:
                     now = time.monotonic()
                     timeout = at - now if at is not None and at > now else None
@@ -185,6 +188,8 @@ class EngineThread:
             out.error = message
         return outputs
 
-    def _stats(self, num_tokens: int) -> StepStats:
+    def _stats(self, num_tokens: int, step_time_s: float = 0.0) -> StepStats:
         s = self.engine.scheduler
-        return StepStats(num_tokens, s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions)
+        return StepStats(
+            num_tokens, s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions, step_time_s
+        )

@@ -1,4 +1,5 @@
-"""LLM: offline batch generation on top of LLMEngine, mirroring vLLM's `LLM.generate`."""
+"""LLM: offline batch generation on top of LLMEngine, mirroring vLLM's `LLM.generate` and
+`LLM.chat`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+Message = dict[str, Any]  # {"role": ..., "content": ...}, see conveyor.tokenizer.chat_messages
 
 
 class LLM:
@@ -50,6 +52,55 @@ class LLM:
                 unless every prompt is valid.
         """
         prompt_list = _normalize_prompts(prompts)
+        tokenizer = self.llm_engine.tokenizer
+        token_prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in prompt_list]
+        return self._generate(prompt_list, token_prompts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the tokenizer's chat template, as
+        the server's /v1/chat/completions renders them; like `generate` otherwise.
+
+        Args:
+            messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of
+                them. Role `developer` is rendered as `system`.
+            sampling_params: one for every conversation, or a list with one per conversation.
+            use_tqdm: show a progress bar.
+            chat_template_kwargs: extra variables for the template.
+            add_generation_prompt: end each prompt with the assistant turn's header.
+        Returns:
+            One RequestOutput per conversation, in order; `prompt` is the rendered text.
+        Raises:
+            ValueError: a malformed message (named), no chat template, or a prompt that can
+                never run. Nothing is queued unless every conversation is valid.
+        """
+        many = isinstance(messages, (list, tuple)) and bool(messages)
+        many = many and all(isinstance(c, (list, tuple)) for c in messages)
+        conversations = list(messages) if many else [messages]
+        tokenizer = self.llm_engine.tokenizer
+        token_prompts = [
+            tokenizer.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            for c in conversations
+        ]
+        texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in token_prompts]
+        return self._generate(texts, token_prompts, sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        prompt_list: list[str | list[int]],
+        token_prompts: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Check every prompt, then queue them all and run them to the end."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -62,10 +113,7 @@ class LLM:
                     "give one SamplingParams or one per prompt."
                 )
         engine = self.llm_engine
-        # Tokenize and check everything first so a bad prompt queues nothing.
-        token_prompts = [
-            p if isinstance(p, list) else engine.tokenizer.encode(p) for p in prompt_list
-        ]
+        # Check everything first so a bad prompt queues nothing.
         for ids, params in zip(token_prompts, params_list, strict=True):
             engine.check_prompt(ids, params)
 

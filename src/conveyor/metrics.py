@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -35,12 +36,25 @@ _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 
 
 class EngineMetrics:
-    """The engine's Prometheus series plus a throughput log line every `log_interval_s`."""
+    """The engine's Prometheus series plus a throughput log line every `log_interval_s`.
 
-    def __init__(self, model_name: str, log_interval_s: float = 5.0) -> None:
+    The line's throughputs are tokens per second of engine busy time (the summed durations of
+    the interval's steps), not per second of the interval: a burst followed by an idle gap
+    reports the burst's rate, and the line says how much of the interval was busy. An interval
+    in which no step ran and no request is queued logs nothing.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        log_interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """Args:
         model_name: the `model_name` label value (the served model name).
         log_interval_s: seconds between stats log lines while busy; <= 0 disables them.
+        clock: where the first interval's start comes from; `maybe_log`'s `now` must come
+            from the same clock (tests pass a fake one).
         """
         self.registry = CollectorRegistry()
         reg, name = self.registry, ["model_name"]
@@ -119,9 +133,10 @@ class EngineMetrics:
             )
         )
         self._log_interval = log_interval_s
-        self._last_log = time.monotonic()
+        self._last_log = clock()
         self._prompt_total = self._generation_total = 0
         self._logged_prompt = self._logged_generation = 0
+        self._busy_s = 0.0  # engine step time since the last log line
         self._num_preemptions = 0
         self._state = (0, 0, 0.0)  # running, waiting, kv usage
 
@@ -132,6 +147,7 @@ class EngineMetrics:
         num_waiting: int,
         kv_usage: float,
         num_preemptions: int,
+        step_time_s: float = 0.0,
     ) -> None:
         """Record one engine step (num_tokens == 0: only refresh the gauges).
 
@@ -139,7 +155,9 @@ class EngineMetrics:
             num_tokens: tokens the step computed.
             num_running, num_waiting, kv_usage: the scheduler's state after the step.
             num_preemptions: the scheduler's cumulative preemption count.
+            step_time_s: how long the step ran (0: no step, e.g. an emit of aborts only).
         """
+        self._busy_s += step_time_s
         if num_tokens:
             self.step_tokens.observe(num_tokens)
         if num_preemptions > self._num_preemptions:
@@ -191,30 +209,33 @@ class EngineMetrics:
         return last_token_time
 
     def maybe_log(self, now: float) -> None:
-        """Log throughput and queue state if `log_interval_s` passed and there was work."""
+        """Log throughput over busy time and queue state if `log_interval_s` passed and there
+        was work (`now`: the constructor's clock)."""
         elapsed = now - self._last_log
         if self._log_interval <= 0 or elapsed < self._log_interval:
             return
-        prompt, generation = self._prompt_total, self._generation_total
+        prompt = self._prompt_total - self._logged_prompt
+        generation = self._generation_total - self._logged_generation
+        busy = self._busy_s
         running, waiting, kv = self._state
-        if (
-            prompt == self._logged_prompt
-            and generation == self._logged_generation
-            and not (running or waiting)
-        ):
-            self._last_log = now  # idle: nothing to report
-            return
+        self._last_log, self._busy_s = now, 0.0
+        self._logged_prompt, self._logged_generation = self._prompt_total, self._generation_total
+        if not (prompt or generation or busy or running or waiting):
+            return  # idle: nothing to report
+        # Requests queued but no step ran: a stalled engine, shown as 0 tokens/s.
+        rate = 1 / busy if busy > 0 else 0.0
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
-            (prompt - self._logged_prompt) / elapsed,
-            (generation - self._logged_generation) / elapsed,
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+            "Engine busy: %.2f s of %.1f s",
+            prompt * rate,
+            generation * rate,
             running,
             waiting,
             100 * kv,
+            busy,
+            elapsed,
         )
-        self._last_log = now
-        self._logged_prompt, self._logged_generation = prompt, generation
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,26 +92,33 @@ class Tokenizer:
         """Render chat messages with the model's template and tokenize them.
 
         Args:
-            messages: [{"role": ..., "content": ...}, ...].
+            messages: [{"role": ..., "content": ...}, ...], as `chat_messages` takes them.
             add_generation_prompt: end with the assistant turn's header.
             kwargs: extra variables for the template.
         Returns:
             Prompt token ids.
+        Raises:
+            ValueError: no chat template, a malformed message (named), or the template
+                raised an error.
         """
         if not self.has_chat_template:
             raise ValueError(
                 "This model's tokenizer has no chat template, so chat messages cannot be "
                 "turned into a prompt; use the completions API with a plain prompt instead."
             )
-        return list(
-            self.hf.apply_chat_template(
-                messages,
+        from jinja2 import TemplateError
+
+        try:
+            ids = self.hf.apply_chat_template(
+                chat_messages(messages),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
                 **kwargs,
             )
-        )
+        except TemplateError as exc:  # e.g. the template's raise_exception("roles must ...")
+            raise ValueError(f"The chat template refused these messages: {exc}") from exc
+        return list(ids)
 
     def id_to_token_text(self, token_id: int) -> str:
         """Decoded text of a single token (e.g. " the"), as shown next to logprobs."""
@@ -120,6 +127,58 @@ class Tokenizer:
             text = self.backend.decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages as every chat template gets them, checked.
+
+    Each message is a dict with a `role` string and a `content` that is a string, None (or
+    absent), or a list of {"type": "text", "text": ...} parts, which are joined with newlines;
+    other keys (name, tool_calls, ...) pass through. Role `developer` becomes `system`.
+
+    Raises:
+        ValueError: not a non-empty list of such dicts; the message says which one and why.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(
+            "messages must be a non-empty list of {'role': ..., 'content': ...} dicts; "
+            f"got {messages!r:.80}."
+        )
+    return [_chat_message(m, i) for i, m in enumerate(messages)]
+
+
+def _chat_message(message: Any, i: int) -> dict[str, Any]:
+    if not isinstance(message, Mapping):
+        raise ValueError(
+            f"messages[{i}] must be a dict with 'role' and 'content'; "
+            f"got {type(message).__name__} {message!r:.60}."
+        )
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"messages[{i}] needs a 'role' string; got {role!r:.60}.")
+    out = dict(message)
+    # OpenAI's newer name for `system`. Most templates predate it and print an unknown role
+    # verbatim or raise on it, so it is mapped for all of them rather than guessed per template.
+    if role == "developer":
+        out["role"] = "system"
+    content = out.get("content")
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for k, part in enumerate(content):
+            is_text = isinstance(part, Mapping) and part.get("type") == "text"
+            if not (is_text and isinstance(part.get("text"), str)):
+                raise ValueError(
+                    f"messages[{i}].content[{k}] must be a {{'type': 'text', 'text': str}} "
+                    f"part (only text is supported); got {part!r:.60}."
+                )
+            texts.append(part["text"])
+        out["content"] = "\n".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise ValueError(
+            f"messages[{i}].content must be a string or a list of text parts; "
+            f"got {type(content).__name__}."
+        )
+    return out
 
 
 def _generation_eos_ids(path: Path) -> list[int]:

@@ -16,6 +16,7 @@ functions here, which are its reference.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,6 +94,48 @@ def allocate_kv_caches(
             for _ in layers
         ]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device` now: CUDA's free memory, or on CPU the kernel's
+    MemAvailable (what can be had without swapping); None when it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def kv_cache_memory_error(
+    num_blocks: int,
+    bytes_per_block: int,
+    device: torch.device,
+    num_kv_blocks: int | None,
+    kv_cache_space_gb: float,
+) -> ValueError:
+    """The error for a KV cache that does not fit: asked, available, the flag that lowers it."""
+    available = available_memory_bytes(device) or 0
+    gib = 1 << 30
+    fit = available // bytes_per_block
+    if num_kv_blocks is not None:
+        lower = f"lower --num-kv-blocks (now {num_kv_blocks}; about {fit} fit)"
+    else:
+        lower = (
+            f"lower --kv-cache-space-gb (now {kv_cache_space_gb:g}) or set --num-kv-blocks "
+            f"(about {fit} fit)"
+        )
+    return ValueError(
+        f"the KV cache needs {num_blocks * bytes_per_block / gib:.1f} GiB ({num_blocks} blocks) "
+        f"but only {available / gib:.1f} GiB of {device.type.upper()} memory is available; {lower}."
+    )
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from conveyor.checkpoint import read_config_json
 from conveyor.model.attention import get_attention_backend
 from conveyor.model.llama import (
     LlamaForCausalLM,
@@ -44,11 +45,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The parsed config.json of a checkpoint directory."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path} is not a checkpoint directory: no config.json.")
-    return json.loads(config_file.read_text())
+    """The parsed config.json of a checkpoint directory (ValueError naming the file if it is
+    missing or not valid JSON)."""
+    return read_config_json(path)
 
 
 def resolve_model_class(hf_config: dict[str, Any]) -> type[LlamaForCausalLM]:

@@ -22,15 +22,26 @@ import numpy as np
 import torch
 
 from conveyor.config import EngineConfig
+from conveyor.core.block_manager import cdiv
 from conveyor.core.request import Request
 from conveyor.core.scheduler import SchedulerOutput
 from conveyor.model.attention import AttentionMetadata
-from conveyor.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
-from conveyor.model.loader import load_model
+from conveyor.model.kv_cache import (
+    allocate_kv_caches,
+    available_memory_bytes,
+    kv_cache_bytes_per_block,
+    kv_cache_memory_error,
+)
+from conveyor.model.llama import ModelConfig
+from conveyor.model.loader import load_model, read_hf_config, resolve_model_class
 from conveyor.model.logits_guard import FiniteLogitsGuard
 from conveyor.model.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_SPACE_GB = 1.0
+# The demo model is tiny: 128 MiB holds 2048 blocks (32k tokens), plenty for trying it out.
+DEMO_KV_CACHE_SPACE_GB = 0.125
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -57,24 +68,48 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
+        # The KV cache is sized from config.json alone, so one that cannot fit in memory is
+        # refused before the weights load.
+        hf_config = read_hf_config(model_path)
+        resolve_model_class(hf_config)  # an unsupported architecture is named first
+        model_config = ModelConfig.from_hf_config(hf_config)
+        context = model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or context, context)
+        if config.max_model_len is not None and config.max_model_len > context:
+            logger.warning(
+                "max_model_len %d is more than the model's context (max_position_embeddings "
+                "in config.json); capped to %d.",
+                config.max_model_len,
+                context,
+            )
+        kv_dtype = config.kv_cache_dtype
+        bytes_per_block = kv_cache_bytes_per_block(
+            model_config, self.block_size, self.dtype, kv_dtype
+        )
+        self.kv_cache_space_gb = config.kv_cache_space_gb or (
+            DEMO_KV_CACHE_SPACE_GB if config.model is None else DEFAULT_KV_CACHE_SPACE_GB
+        )
+        if config.num_kv_blocks is not None:
+            self.num_kv_blocks = config.num_kv_blocks
+        else:
+            budget = int(self.kv_cache_space_gb * (1 << 30))
+            # Blocks beyond what max_num_seqs sequences of max_model_len tokens hold at once
+            # could never be used: do not allocate them.
+            most = config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+            self.num_kv_blocks = max(1, min(budget // bytes_per_block, most))
+        self._check_kv_cache_fits(bytes_per_block, config)
         self.model = load_model(
             model_path, self.dtype, self.device, attention_backend=config.attention_backend
         )
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
-        self.max_model_len = min(
-            config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
-        )
-        kv_dtype = config.kv_cache_dtype
-        bytes_per_block = kv_cache_bytes_per_block(mcfg, self.block_size, self.dtype, kv_dtype)
-        if config.num_kv_blocks is not None:
-            self.num_kv_blocks = config.num_kv_blocks
-        else:
-            budget = int(config.kv_cache_space_gb * (1 << 30))
-            self.num_kv_blocks = max(1, budget // bytes_per_block)
-        self.kv_caches = allocate_kv_caches(
-            mcfg, self.num_kv_blocks, self.block_size, self.dtype, self.device, kv_dtype
-        )
+        self._check_kv_cache_fits(bytes_per_block, config)  # again: the weights took some
+        try:
+            self.kv_caches = allocate_kv_caches(
+                mcfg, self.num_kv_blocks, self.block_size, self.dtype, self.device, kv_dtype
+            )
+        except (RuntimeError, MemoryError) as exc:  # CPU "can't allocate memory", CUDA OOM
+            raise self._kv_memory_error(bytes_per_block, config) from exc
         logger.info(
             "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
             self.num_kv_blocks,
@@ -83,6 +118,20 @@ class ModelRunner:
             self.num_kv_blocks * bytes_per_block / 2**20,
         )
         self.sampler = FiniteLogitsGuard(Sampler(self.vocab_size, config.seed, self.device))
+
+    def _check_kv_cache_fits(self, bytes_per_block: int, config: EngineConfig) -> None:
+        available = available_memory_bytes(self.device)
+        if available is not None and self.num_kv_blocks * bytes_per_block > available:
+            raise self._kv_memory_error(bytes_per_block, config)
+
+    def _kv_memory_error(self, bytes_per_block: int, config: EngineConfig) -> ValueError:
+        return kv_cache_memory_error(
+            self.num_kv_blocks,
+            bytes_per_block,
+            self.device,
+            config.num_kv_blocks,
+            self.kv_cache_space_gb,
+        )
 
     def remove_requests(self, request_ids: list[str]) -> None:
         if request_ids:

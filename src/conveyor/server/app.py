@@ -87,7 +87,12 @@ def build_app(
     config = config or ServerConfig()
     api_key = api_key or config.api_key
     ctx = ServingContext(
-        engine, engine.model_name, engine.model_path, config.max_n, config.request_timeout
+        engine,
+        engine.model_name,
+        engine.model_path,
+        config.max_n,
+        config.request_timeout,
+        aliases=tuple(engine.served_model_names[1:]),
     )
     app.state.ctx = ctx
 
@@ -101,8 +106,11 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=ctx.model_name, root=ctx.model_path, max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        # One card per served name, as vLLM lists its aliases.
+        root, max_len = ctx.model_path, engine.max_model_len
+        return ModelList(
+            data=[ModelCard(id=name, root=root, max_model_len=max_len) for name in ctx.served_names]
+        )
 
     @app.get("/health")
     async def health() -> Response:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from conveyor.checkpoint import check_checkpoint
 from conveyor.config import EngineConfig
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
@@ -25,7 +26,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None
+    # Names clients may send as "model"; the first is the one responses and metrics report.
+    # A string is one name; None: the checkpoint folder's name (or "conveyor-demo").
+    served_model_name: str | list[str] | None = None
     shutdown_timeout: float = 10.0  # seconds in-flight requests may finish after SIGTERM
     log_level: str = "info"
     log_stats_interval: float = 5.0  # seconds between throughput log lines; 0 disables
@@ -67,10 +70,19 @@ class ServerConfig:
             )
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"engine_process must be true or false, got {self.engine_process!r}.")
-        for name in ("api_key", "served_model_name"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}.")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError(f"api_key must be a non-empty string, got {self.api_key!r}.")
+        names = self.served_model_name
+        if names is not None:
+            listed = [names] if isinstance(names, str) else names
+            if (
+                not isinstance(listed, (list, tuple))
+                or not listed
+                or not all(isinstance(n, str) and n for n in listed)
+            ):
+                message = "served_model_name must be a non-empty name or a list of them"
+                raise ValueError(f"{message}, got {names!r}.")
+            self.served_model_name = list(dict.fromkeys(listed))  # drop repeats, keep order
 
 
 def _field_names(cls: type) -> list[str]:
@@ -118,7 +130,8 @@ def build_serve_config(
     Returns:
         The engine's and the server's config.
     Raises:
-        ValueError: a bad file, an unknown key or an invalid value.
+        ValueError: a bad file, an unknown key, an invalid value, or a model or tokenizer
+            folder that cannot be loaded (checked here, before anything heavy is imported).
     """
     values = read_config_file(config_file) if config_file else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -130,4 +143,6 @@ def build_serve_config(
     unknown = sorted(set(engine_values) - set(_field_names(EngineConfig)))
     if unknown:
         raise ValueError(f"unknown setting(s): {', '.join(unknown)}.")
-    return EngineConfig(**engine_values), ServerConfig(**server_values)
+    engine_config, server_config = EngineConfig(**engine_values), ServerConfig(**server_values)
+    check_checkpoint(engine_config.model, engine_config.tokenizer)
+    return engine_config, server_config

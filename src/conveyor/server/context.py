@@ -16,11 +16,12 @@ from conveyor.server.protocol import ChatMessage
 class ServingContext:
     """Args:
     engine: the running AsyncLLM.
-    model_name: the one model name clients must send (or leave out).
+    model_name: the name responses report; clients send it, an alias, or nothing.
     model_path: reported as the model's `root` in /v1/models.
     max_n: the largest `n` a request may ask for (None: no cap).
     request_timeout: seconds after which any request ends with "abort" (None: only its own
         `deadline`, if any).
+    aliases: further names requests may use (listed in /v1/models after model_name).
     """
 
     engine: AsyncLLM
@@ -28,6 +29,12 @@ class ServingContext:
     model_path: str | None = None
     max_n: int | None = None
     request_timeout: float | None = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every name this server answers to, the reported one first."""
+        return list(dict.fromkeys((self.model_name, *self.aliases)))
 
     def admit(self, n: int, num_prompts: int = 1) -> None:
         """Admission control before anything is queued.
@@ -48,9 +55,16 @@ class ServingContext:
         return dataclasses.replace(params, deadline=timeout)
 
     def check_model(self, model: str | None) -> None:
-        """404 unless `model` is the served name (None means the served model, as in vLLM)."""
-        if model is not None and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist.", param="model", status=404)
+        """404 unless `model` is a served name (None means the served model, as in vLLM); the
+        message lists the names that exist."""
+        names = self.served_names
+        if model is not None and model not in names:
+            served = ", ".join(f"`{n}`" for n in names)
+            raise APIError(
+                f"The model `{model}` does not exist. This server serves: {served}.",
+                param="model",
+                status=404,
+            )
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text or token-id prompt; an empty prompt is a 400."""

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import math
+import socket
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from conveyor.async_engine import AsyncLLM
 from conveyor.config import EngineConfig
-from conveyor.server.app import build_app
 from conveyor.server.config import ServerConfig
+
+if TYPE_CHECKING:  # imported in run_server, once the port is ours: they import torch
+    from conveyor.async_engine import AsyncLLM
 
 logger = logging.getLogger("conveyor.server")
 
@@ -37,48 +40,83 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         server_config: host, port, key, served name, shutdown grace period, logging.
     Returns:
         0 once the server has stopped.
+    Raises:
+        ValueError: the port cannot be bound (found before the model is loaded), or the
+            engine rejected the config or the checkpoint.
     """
     logging.basicConfig(
         level=server_config.log_level.upper(),
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",
         datefmt="%m-%d %H:%M:%S",
     )
-    engine = AsyncLLM.from_config(
-        engine_config,
-        served_model_name=server_config.served_model_name,
-        log_stats_interval_s=server_config.log_stats_interval,
-        max_waiting_requests=server_config.max_waiting_requests,
-        engine_process=server_config.engine_process,
-    )
-    app = build_app(engine, config=server_config)
-    grace = server_config.shutdown_timeout
-    config = uvicorn.Config(
-        app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level=server_config.log_level,
-        # A backstop only: our own deadline aborts what is left after `grace` seconds.
-        timeout_graceful_shutdown=math.ceil(grace) + 5,
-    )
-    logger.info(
-        "Serving %s as %r on http://%s:%d (max_model_len %d, API key %s)",
-        engine.model_path,
-        engine.model_name,
-        server_config.host,
-        server_config.port,
-        engine.max_model_len,
-        "required" if server_config.api_key else "not required",
-    )
-    # Everything built so far (model, tokenizer, app) lives until exit: keep the cyclic GC
-    # from rescanning it on every collection, which otherwise stalls streaming (and, through
-    # the GIL, an engine thread of this process) under load.
-    gc.collect()
-    gc.freeze()
-    server = _GracefulServer(config, engine, grace)
-    # uvicorn re-raises a captured Ctrl-C once it has shut down: that is a normal exit.
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+    # Bound first: a busy port fails in milliseconds, not after the model has loaded.
+    sock = bind_socket(server_config.host, server_config.port)
+    with sock:  # closed if anything below fails (uvicorn closes it as it stops, too)
+        from conveyor.async_engine import AsyncLLM
+        from conveyor.server.app import build_app
+
+        engine = AsyncLLM.from_config(
+            engine_config,
+            served_model_name=server_config.served_model_name,
+            log_stats_interval_s=server_config.log_stats_interval,
+            max_waiting_requests=server_config.max_waiting_requests,
+            engine_process=server_config.engine_process,
+        )
+        app = build_app(engine, config=server_config)
+        grace = server_config.shutdown_timeout
+        config = uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_level=server_config.log_level,
+            # A backstop only: our own deadline aborts what is left after `grace` seconds.
+            timeout_graceful_shutdown=math.ceil(grace) + 5,
+        )
+        logger.info(
+            "Serving %s as %s on http://%s:%d (max_model_len %d, API key %s)",
+            engine.model_path,
+            ", ".join(repr(name) for name in engine.served_model_names),
+            server_config.host,
+            server_config.port,
+            engine.max_model_len,
+            "required" if server_config.api_key else "not required",
+        )
+        # Everything built so far (model, tokenizer, app) lives until exit: keep the cyclic GC
+        # from rescanning it on every collection, which otherwise stalls streaming (and, through
+        # the GIL, an engine thread of this process) under load.
+        gc.collect()
+        gc.freeze()
+        server = _GracefulServer(config, engine, grace)
+        # uvicorn re-raises a captured Ctrl-C once it has shut down: that is a normal exit.
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[sock])
     return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening (uvicorn listens once the app
+    is up, so a client that comes early is refused rather than left hanging).
+
+    Raises:
+        ValueError: the port is in use, or the address cannot be bound (what to change).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # As uvicorn does: a restart may rebind while old connections sit in TIME_WAIT.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"port {port} on {host} is already in use; choose another with --port."
+            ) from None
+        reason = exc.strerror or str(exc)
+        raise ValueError(
+            f"cannot listen on {host}:{port}: {reason}; check --host and --port."
+        ) from None
+    return sock
 
 
 class _GracefulServer(uvicorn.Server):

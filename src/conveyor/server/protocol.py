@@ -140,11 +140,9 @@ class ChatMessage(OpenAIModel):
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it: text parts joined into one string."""
-        message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
-        return message
+        """The message as `Tokenizer.apply_chat_template` takes it; that joins text parts and
+        maps role `developer` to `system` (`conveyor.tokenizer.chat_messages`)."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatCompletionRequest(_GenerationRequest):

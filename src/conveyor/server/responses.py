@@ -4,7 +4,8 @@ Shapes follow OpenAI and vLLM (vLLM's `stop_reason` extension included: the stop
 token id that ended a choice, or, for finish_reason "abort", why the engine aborted it, e.g.
 "deadline exceeded: ..."; None for a client's abort). Stream chunks are
 serialized with `exclude_unset=True`, as vLLM does: a chat delta carries `role` only in the
-first chunk of a choice, and `usage` only where it was set. server/sse.py writes the common
+first chunk of a choice, and `usage` only where it was set; logprobs objects are always
+sent whole (`_Whole`). server/sse.py writes the common
 stream chunks without building these models, byte for byte as they would serialize: a change
 to a chunk model needs the same change there (tests/test_sse_encoding.py compares the two).
 """
@@ -50,8 +51,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     )
 
 
+class _Whole(BaseModel):
+    """A model every field of which is always sent, even inside a stream chunk dumped with
+    `exclude_unset`: logprobs objects are built by appending to their default lists, which
+    pydantic does not count as setting them (a streamed `"logprobs": {}` otherwise)."""
+
+    def model_post_init(self, context: object, /) -> None:
+        self.model_fields_set.update(type(self).model_fields)
+
+
 # ---------------------------------------------------------------- completions
-class CompletionLogProbs(BaseModel):
+class CompletionLogProbs(_Whole):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
@@ -93,7 +103,7 @@ class CompletionStreamResponse(_StreamChunk):
 
 
 # ---------------------------------------------------------------- chat
-class ChatLogProb(BaseModel):
+class ChatLogProb(_Whole):
     token: str
     logprob: float = -9999.0
     bytes: list[int] | None = None
@@ -103,7 +113,7 @@ class ChatLogProbsContent(ChatLogProb):
     top_logprobs: list[ChatLogProb] = Field(default_factory=list)
 
 
-class ChatLogProbs(BaseModel):
+class ChatLogProbs(_Whole):
     content: list[ChatLogProbsContent] | None = None
 
 
