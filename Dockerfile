@@ -55,7 +55,7 @@ COPY configs /opt/conveyor/configs
 USER conveyor
 WORKDIR /home/conveyor
 # Build the demo checkpoint now, so a container without --model starts at once.
-RUN python -c "from conveyor.demo import demo_model_path; print(demo_model_path())"
+RUN python -c "from conveyor.model.demo import demo_model_path; print(demo_model_path())"
 VOLUME ["/models"]
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
@@ -75,7 +75,7 @@ RUN pip install /wheels/*.whl && rm -rf /wheels
 COPY configs /opt/conveyor/configs
 USER conveyor
 WORKDIR /home/conveyor
-RUN python -c "from conveyor.demo import demo_model_path; print(demo_model_path())"
+RUN python -c "from conveyor.model.demo import demo_model_path; print(demo_model_path())"
 VOLUME ["/models"]
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \

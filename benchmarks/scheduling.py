@@ -1,8 +1,8 @@
-"""Static vs continuous batching under every policy: the guide's comparison, reproduced.
+"""Static vs continuous batching under every policy (the comparison of docs/scheduling.md).
 
 Part 1, the real demo model (or --model): --num-requests requests with prompts of 16-64 tokens
-and output lengths drawn from an exponential distribution (the guide's chat workload), then
-from a uniform one with the same mean (where the guide expects little gain), all arriving at
+and output lengths drawn from an exponential distribution (chat-like traffic), then from a
+uniform one with the same mean (where continuous batching gains little), all arriving at
 t = 0 (or as a Poisson process with --rate). Every policy runs the same requests at the same
 max batch size. Requests carry random priorities 0-3 (only `priority` reads them). Greedy,
 ignore_eos: every request generates exactly its drawn length, under every policy.
@@ -11,12 +11,12 @@ Two baselines:
   static         our `static` policy: a batch runs until its slowest member ends, nobody joins;
                  a member that is done leaves the step (its seat stays empty), so later steps
                  of the batch are cheaper. The strongest static baseline.
-  static-padded  the guide's static batching (padded batch `generate`): done members keep
-                 computing a discarded token until the batch ends, and the batch's results come
-                 back together when it ends. Emulated with the static policy: each request of a
-                 batch generates the batch's longest length, and its latency is the batch's end.
-                 Only with every request at t = 0 (the batches are then fixed arrival-order
-                 groups of max batch size).
+  static-padded  static batching as in docs/scheduling.md (padded batch `generate`): done
+                 members keep computing a discarded token until the batch ends, and the
+                 batch's results come back together when it ends. Emulated with the static
+                 policy: each request of a batch generates the batch's longest length, and its
+                 latency is the batch's end. Only with every request at t = 0 (the batches are
+                 then fixed arrival-order groups of max batch size).
 
 Part 2, the simulator at scale (--sim-requests, default 2000) with a step-cost model fitted
 to the steps measured in part 1: the same two distributions, all at t = 0 and as a Poisson
@@ -44,11 +44,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench_serve import require_matplotlib
+from conveyor.bench.serve import require_matplotlib
 from conveyor.core.policies import available_policies
 from conveyor.core.scheduler import Scheduler
 from conveyor.simulator import RequestTimeline, SimulationResult, StepCost, format_table, simulate
-from conveyor.trace import TraceRequest, synthetic_trace
+from conveyor.simulator.trace import TraceRequest, synthetic_trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DISTRIBUTIONS = ("exponential", "uniform")

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench_serve import (
+from conveyor.bench.serve import (
     BenchRequest,
     add_arguments,
     bench,

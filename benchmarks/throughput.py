@@ -1,8 +1,8 @@
 """Offline throughput: conveyor's LLM.generate against transformers' generate, same workload.
 
 A seeded workload on the demo model (or --model): prompt lengths uniform in
-[--min-prompt, --max-prompt], output lengths drawn from an exponential distribution (as in the
-guide) clipped to [1, --max-output]. conveyor runs it with continuous batching at
+[--min-prompt, --max-prompt], output lengths drawn from an exponential distribution (chat-like)
+clipped to [1, --max-output]. conveyor runs it with continuous batching at
 max_num_seqs = --batch-size; transformers runs it in static padded batches of the same size
 (left padding, greedy, each batch generating until its longest request is done). Only the
 tokens each request asked for count, for both. Prints one JSON object.
@@ -26,7 +26,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from conveyor import LLM, SamplingParams
-from conveyor.demo import demo_model_path
+from conveyor.model.demo import demo_model_path
 
 
 def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:

@@ -5,7 +5,7 @@ block s // block_size, offset s % block_size (a negative slot means "skip this t
 One program per token moves all its KV heads, K and V: an [Hkv, D] tile each.
 
 int8 (symmetric absmax per token and head, matching `conveyor.model.kv_cache.quantize_int8`):
-    absmax = max(max_d |x[h, d]|, 1e-8)       scale[h] = absmax * (1 / 127)
+    absmax = max(max_d |x[h, d]|, MIN_ABSMAX)  scale[h] = absmax * (1 / 127)
     q[h, d] = clamp(floor(x[h, d] * (127 / absmax) + 0.5), -127, 127)     x ≈ q * scale
 """
 
@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from conveyor.kernels._checks import check, check_kv_cache_dtype
+from conveyor.model.kv_cache import MIN_ABSMAX  # the torch reference's: the same bytes
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-MIN_ABSMAX = 1e-8  # an all-zero row stores zeros with a tiny (harmless) scale
 
 
 @triton.jit

@@ -63,6 +63,6 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded demo checkpoint, written once per test session into a temp folder."""
-    from conveyor.demo import write_demo_model
+    from conveyor.model.demo import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("demo-model"))

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from conveyor import LLM, AsyncLLM, SamplingParams
-from conveyor.async_engine import EngineNotRunningError, RequestFailedError
+from conveyor.entrypoints.async_llm import EngineNotRunningError, RequestFailedError
 from conveyor.server.app import build_app
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -184,8 +184,8 @@ def test_a_failing_step_gives_500_or_an_sse_error_event(demo_model_dir) -> None:
 
 
 def test_stats_log_line_reports_throughput_while_busy(caplog) -> None:
-    from conveyor.metrics import EngineMetrics
-    from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from conveyor.entrypoints.metrics import EngineMetrics
 
     metrics = EngineMetrics("m", log_interval_s=0.001)
     out = RequestOutput(
@@ -203,8 +203,8 @@ def test_stats_log_line_reports_throughput_while_busy(caplog) -> None:
 
 
 def test_stats_log_line_rates_are_over_busy_time_and_idle_intervals_log_nothing(caplog) -> None:
-    from conveyor.metrics import EngineMetrics
-    from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from conveyor.entrypoints.metrics import EngineMetrics
 
     now = [100.0]
     metrics = EngineMetrics("m", log_interval_s=5.0, clock=lambda: now[0])
@@ -240,9 +240,9 @@ def test_stats_log_line_rates_are_over_busy_time_and_idle_intervals_log_nothing(
 def test_engine_thread_reports_how_long_each_step_ran(demo_model_dir) -> None:
     import threading
 
-    from conveyor.config import EngineConfig
-    from conveyor.engine import LLMEngine
-    from conveyor.engine_thread import EngineThread
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.entrypoints.engine_thread import EngineThread
 
     stats, errors, done = [], [], threading.Event()
 

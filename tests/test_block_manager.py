@@ -5,12 +5,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.core.block_manager import BlockManager
-from conveyor.core.request import Request
+from conveyor.core.sequence import Sequence
 from conveyor.sampling_params import SamplingParams
 
 
-def make_request(request_id: str, num_prompt_tokens: int) -> Request:
-    return Request(request_id, list(range(num_prompt_tokens)), SamplingParams(), max_tokens=16)
+def make_request(request_id: str, num_prompt_tokens: int) -> Sequence:
+    return Sequence(request_id, list(range(num_prompt_tokens)), SamplingParams(), max_tokens=16)
 
 
 def check_invariants(bm: BlockManager) -> None:

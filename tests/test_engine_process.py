@@ -20,9 +20,9 @@ import time
 import pytest
 
 from conveyor import LLM, AsyncLLM, SamplingParams
-from conveyor.async_engine import EngineNotRunningError
-from conveyor.engine_process import pack_output, unpack_output
-from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.entrypoints.async_llm import EngineNotRunningError
+from conveyor.entrypoints.wire import pack_output, unpack_output
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -17,10 +17,10 @@ import httpx
 import pytest
 
 from conveyor import LLM, AsyncLLM, SamplingParams
-from conveyor.core.request import Request
+from conveyor.core.sequence import Sequence
+from conveyor.engine.tokenizer import IncrementalDetokenizer
 from conveyor.model.logits_guard import FiniteLogitsGuard
 from conveyor.server.app import build_app
-from conveyor.tokenizer import IncrementalDetokenizer
 
 POISON = "\x00poison"  # a stop string no output contains: marks the request to break
 PROMPTS = ["One two three", "The quick brown fox", "def add(a, b):"]
@@ -49,14 +49,14 @@ def _inject(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
         monkeypatch.setattr(FiniteLogitsGuard, "__call__", nan_logits)
         return
     if fault == "token stop check":  # core: eos, stop_token_ids, max_tokens
-        real_check = Request.check_stop
+        real_check = Sequence.check_stop
 
         def faulty_check(self):
             if POISON in self.sampling_params.stop_strings:
                 raise RuntimeError("injected fault")
             return real_check(self)
 
-        monkeypatch.setattr(Request, "check_stop", faulty_check)
+        monkeypatch.setattr(Sequence, "check_stop", faulty_check)
         return
     method = {"detokenizer": "update", "stop check": "_check_stop"}[fault]
     real = getattr(IncrementalDetokenizer, method)
@@ -123,7 +123,7 @@ def test_a_faulty_request_fails_alone_and_the_batch_goes_on(
 
 def test_kv_cache_far_too_small_preempts_and_every_request_ends(demo_model_dir) -> None:
     # 6 blocks of 16 slots; 12 requests that each end up needing 3 of them.
-    prompts = [f"Request {i} says" for i in range(12)]
+    prompts = [f"Sequence {i} says" for i in range(12)]
     params = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)
     roomy = LLM(str(demo_model_dir), num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
 

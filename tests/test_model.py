@@ -19,7 +19,7 @@ from conveyor.model.attention import (
 )
 from conveyor.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, write_kv_cache
 from conveyor.model.llama import ModelConfig
-from conveyor.model.loader import MODEL_REGISTRY, load_model
+from conveyor.model.loader import MODEL_REGISTRY, load_model, resolve_dtype
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -274,7 +274,7 @@ def test_kv_cache_size_matches_allocation(models):
 def test_kv_cache_default_fits_the_demo_and_never_exceeds_what_max_num_seqs_can_use(
     demo_model_dir,
 ):
-    from conveyor.config import EngineConfig
+    from conveyor.engine.config import EngineConfig
     from conveyor.model.runner import DEMO_KV_CACHE_SPACE_GB, ModelRunner
 
     demo = ModelRunner(EngineConfig(device="cpu"), str(demo_model_dir))  # config.model None
@@ -286,3 +286,17 @@ def test_kv_cache_default_fits_the_demo_and_never_exceeds_what_max_num_seqs_can_
         kv_cache_space_gb=4.0,
     )  # fmt: skip
     assert ModelRunner(big, str(demo_model_dir)).num_kv_blocks == 2 * 256 // 16
+
+
+def test_resolve_dtype_auto_is_the_engines_without_a_checkpoint_and_the_checkpoints_with_one():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    bf16 = {"dtype": "bfloat16"}
+    assert resolve_dtype("auto", cpu) is torch.float32
+    assert resolve_dtype("auto", cpu, bf16) is torch.float32
+    assert resolve_dtype("auto", cuda) is torch.bfloat16  # EngineConfig.dtype "auto"
+    assert resolve_dtype("auto", cuda, {"torch_dtype": "float16"}) is torch.float16
+    assert resolve_dtype("auto", cuda, {"torch_dtype": "float32"}) is torch.float32
+    assert resolve_dtype("bfloat16", cpu) is torch.bfloat16
+    assert resolve_dtype(torch.float16, cuda, bf16) is torch.float16
+    with pytest.raises(ValueError, match="dtype must be auto, float32, float16, bfloat16"):
+        resolve_dtype("fp8", cpu)

@@ -10,10 +10,11 @@ import math
 
 import pytest
 
-from conveyor.config import EngineConfig
 from conveyor.core.policies import available_policies, make_policy
-from conveyor.core.request import Request, RequestStatus
-from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.core.scheduler import Scheduler
+from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.config import EngineConfig
 from conveyor.sampling_params import SamplingParams
 
 TOKEN = 7
@@ -43,11 +44,11 @@ def req(
     priority: int = 0,
     deadline: float | None = None,
     length_hint: int | None = None,
-) -> Request:
+) -> Sequence:
     params = SamplingParams(
         max_tokens=max_tokens, priority=priority, deadline=deadline, length_hint=length_hint
     )
-    return Request(
+    return Sequence(
         rid, [100 + i for i in range(prompt)], params, max_tokens=max_tokens, arrival_time=arrival
     )
 
@@ -270,7 +271,7 @@ def test_deadline_aborts_waiting_and_running_requests_and_frees_blocks():
     assert sched.block_manager.num_free_blocks == 64 - 6
     clock.now = 2.0  # the waiting one is due (at its deadline, not after)
     out = step(sched)
-    assert wait.status is RequestStatus.FINISHED_ABORTED
+    assert wait.status is SequenceStatus.FINISHED_ABORTED
     assert wait.abort_reason.startswith("deadline exceeded")
     assert "wait" in out.finished_request_ids and "wait" not in out.num_scheduled_tokens
     clock.now = 3.5
@@ -281,7 +282,7 @@ def test_deadline_aborts_waiting_and_running_requests_and_frees_blocks():
     assert sched.block_manager.num_free_blocks == 64 - 3  # only other's 3 blocks are held
     assert len(run.output_token_ids) == 2
     assert run_to_end(sched) == ["other"]
-    assert other.status is RequestStatus.FINISHED_LENGTH
+    assert other.status is SequenceStatus.FINISHED_LENGTH
     assert other.output_token_ids == [TOKEN] * 6 and other.abort_reason is None
 
 

@@ -5,8 +5,9 @@ import itertools
 import pytest
 import torch
 
-from conveyor.core.request import Request
-from conveyor.model.sampler import Sampler, _apply_penalties, _top_k_top_p
+from conveyor.core.sequence import Sequence
+from conveyor.model.logits_processors import apply_penalties, top_k_top_p
+from conveyor.model.sampler import Sampler
 from conveyor.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -18,8 +19,8 @@ def req(
     eos: int | None = None,
     request_id: str | None = None,
     **params: object,
-) -> Request:
-    r = Request(
+) -> Sequence:
+    r = Sequence(
         request_id if request_id is not None else f"r{next(_ids)}",
         prompt or [1, 2, 3],
         SamplingParams(**params),  # type: ignore[arg-type]
@@ -122,7 +123,7 @@ def test_penalties_match_hand_computed_logits() -> None:
         ),
         req(prompt=[4], output=[3], temperature=0.0),  # no penalties: unchanged
     ]
-    _apply_penalties(logits, requests)
+    apply_penalties(logits, requests)
     expected_row0 = [
         2.0 / 2,  # in prompt, positive: divided
         -1.0 * 2 - 0.5 * 1 - 0.25,  # in prompt and output once: multiplied, then penalised
@@ -249,7 +250,7 @@ def test_top_k_top_p_on_a_large_vocab_matches_a_full_sort() -> None:
     cases += [(flat, -1, 1.0), (peaked, 7, 0.3)]
     logits = torch.cat([c[0] for c in cases])
     params = [SamplingParams(top_k=k, top_p=p) for _, k, p in cases]
-    got = _top_k_top_p(logits.clone(), params)
+    got = top_k_top_p(logits.clone(), params)
     for i, (_, k, p) in enumerate(cases):
         assert torch.equal(got[i], reference_top_k_top_p(logits[i], k, p)), cases[i][1:]
     # The flat row's nucleus is wider than the candidate window: the fallback was needed.

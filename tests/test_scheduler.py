@@ -16,7 +16,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from conveyor.config import EngineConfig
 from conveyor.core.policies import (
     FifoPolicy,
     SchedulingPolicy,
@@ -24,8 +23,10 @@ from conveyor.core.policies import (
     make_policy,
     register_policy,
 )
-from conveyor.core.request import Request, RequestStatus
-from conveyor.core.scheduler import Scheduler, SchedulerOutput
+from conveyor.core.scheduler import Scheduler
+from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.config import EngineConfig
 from conveyor.sampling_params import SamplingParams
 
 TOKEN = 7  # what the fake model samples unless a test says otherwise
@@ -41,13 +42,13 @@ def make_scheduler(**overrides: int | str) -> Scheduler:
 
 def make_request(
     request_id: str, num_prompt_tokens: int, max_tokens: int = 4, eos_token_id: int | None = None
-) -> Request:
+) -> Sequence:
     prompt = [100 + i for i in range(num_prompt_tokens)]
     params = SamplingParams(max_tokens=max_tokens)
-    return Request(request_id, prompt, params, max_tokens=max_tokens, eos_token_id=eos_token_id)
+    return Sequence(request_id, prompt, params, max_tokens=max_tokens, eos_token_id=eos_token_id)
 
 
-def to_sample(out: SchedulerOutput) -> list[Request]:
+def to_sample(out: SchedulerOutput) -> list[Sequence]:
     """Requests the model samples for: those whose step reaches the end of their tokens."""
     n = out.num_scheduled_tokens
     return [r for r in out.scheduled if r.num_computed_tokens + n[r.request_id] == r.num_tokens]
@@ -66,7 +67,7 @@ def test_schedule_does_not_advance_num_computed_tokens():
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 5}
     assert req.num_computed_tokens == 0
-    assert req.status is RequestStatus.RUNNING
+    assert req.status is SequenceStatus.RUNNING
     sched.update_from_output(out, {"a": TOKEN})
     assert req.num_computed_tokens == 5
     assert req.output_token_ids == [TOKEN]
@@ -77,20 +78,20 @@ def test_a_raising_stop_check_ends_that_request_alone(monkeypatch):
     good, bad = make_request("good", 5), make_request("bad", 5)
     for req in (good, bad):
         sched.add_request(req)
-    real_check = Request.check_stop
+    real_check = Sequence.check_stop
 
     def check_stop(self):
         if self.request_id == "bad":
             raise RuntimeError("broken stop rule")
         return real_check(self)
 
-    monkeypatch.setattr(Request, "check_stop", check_stop)
+    monkeypatch.setattr(Sequence, "check_stop", check_stop)
     out = sched.schedule()
     updated = sched.update_from_output(out, {"good": TOKEN, "bad": TOKEN})
     assert updated == [good, bad]
-    assert bad.status is RequestStatus.FINISHED_ABORTED and isinstance(bad.fault, RuntimeError)
+    assert bad.status is SequenceStatus.FINISHED_ABORTED and isinstance(bad.fault, RuntimeError)
     assert sched.block_manager.get_block_table("bad") == []
-    assert good.status is RequestStatus.RUNNING and good.fault is None
+    assert good.status is SequenceStatus.RUNNING and good.fault is None
     assert sched.running == [good]
     step(sched)
     assert good.output_token_ids == [TOKEN, TOKEN]
@@ -168,7 +169,7 @@ def test_preempts_most_recently_admitted_when_blocks_run_out():
     out2 = step(sched)
     assert out2.num_scheduled_tokens == {"a": 1}
     assert out2.preempted_request_ids == ["b"]
-    assert b.status is RequestStatus.PREEMPTED
+    assert b.status is SequenceStatus.PREEMPTED
     assert b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and sched.num_preemptions == 1
     assert sched.block_manager.get_block_table("b") == []
@@ -178,7 +179,7 @@ def test_preempts_most_recently_admitted_when_blocks_run_out():
     # b needs 3 blocks for its 17 tokens, only 1 is free: FIFO admits nobody behind it.
     out3 = step(sched)
     assert out3.num_scheduled_tokens == {"a": 1}
-    assert a.status is RequestStatus.FINISHED_LENGTH
+    assert a.status is SequenceStatus.FINISHED_LENGTH
     assert sched.block_manager.num_free_blocks == 4  # freed at once
 
     # b recomputes prompt + its first output token, then c gets the last block.
@@ -188,7 +189,7 @@ def test_preempts_most_recently_admitted_when_blocks_run_out():
     assert out4.preempted_request_ids == []
     assert b.output_token_ids == [TOKEN, TOKEN]
     assert b.num_computed_tokens == 17
-    assert c.status is RequestStatus.FINISHED_LENGTH
+    assert c.status is SequenceStatus.FINISHED_LENGTH
 
 
 def test_request_that_must_preempt_itself_only_shrinks_the_step():
@@ -209,7 +210,7 @@ def test_request_that_must_preempt_itself_only_shrinks_the_step():
 class OldestVictimPolicy(FifoPolicy):
     """Preempts the earliest admitted request, which may already be scheduled this step."""
 
-    def select_victim(self, running: list[Request]) -> Request:
+    def select_victim(self, running: list[Sequence]) -> Sequence:
         return running[0]
 
 
@@ -236,7 +237,7 @@ def test_finished_request_frees_its_blocks():
     step(sched)
     assert sched.block_manager.num_free_blocks == 32 - 3
     step(sched, token=2)  # eos
-    assert req.status is RequestStatus.FINISHED_STOPPED
+    assert req.status is SequenceStatus.FINISHED_STOPPED
     assert req.output_token_ids == [TOKEN, 2]
     assert sched.block_manager.get_block_table("a") == []
     assert sched.block_manager.num_free_blocks == 32
@@ -252,7 +253,7 @@ def test_update_returns_requests_with_a_new_token():
     out = sched.schedule()  # a: 4 tokens (sampled), b: 2 of 4 (not sampled)
     got = sched.update_from_output(out, {"a": TOKEN})
     assert [r.request_id for r in got] == ["a"]
-    assert got[0].status is RequestStatus.FINISHED_LENGTH
+    assert got[0].status is SequenceStatus.FINISHED_LENGTH
     assert [r.request_id for r in sched.running] == ["b"]
 
 
@@ -264,15 +265,15 @@ def test_finish_requests_aborts_waiting_and_running_requests():
     step(sched)
     assert sched.running == [a] and list(sched.waiting) == [b]
 
-    assert sched.finish_requests(["b", "unknown"], RequestStatus.FINISHED_ABORTED) == [b]
-    assert b.status is RequestStatus.FINISHED_ABORTED
+    assert sched.finish_requests(["b", "unknown"], SequenceStatus.FINISHED_ABORTED) == [b]
+    assert b.status is SequenceStatus.FINISHED_ABORTED
     assert sched.num_waiting == 0
 
-    assert sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED) == [a]
+    assert sched.finish_requests(["a"], SequenceStatus.FINISHED_ABORTED) == [a]
     assert a.status.finish_reason == "abort"
     assert sched.block_manager.get_block_table("a") == []
     assert sched.block_manager.num_free_blocks == 32
-    assert sched.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED) == []
+    assert sched.finish_requests(["a", "b"], SequenceStatus.FINISHED_ABORTED) == []
     assert not sched.has_unfinished_requests()
     out = sched.schedule()
     assert out.finished_request_ids == ["b", "a"]
@@ -284,13 +285,13 @@ def test_finish_requests_with_stop_status_keeps_it():
     req = make_request("a", 4)
     sched.add_request(req)
     step(sched)
-    sched.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)
+    sched.finish_requests(["a"], SequenceStatus.FINISHED_STOPPED)
     assert req.status.finish_reason == "stop"
 
 
 def test_finish_requests_rejects_an_unfinished_status():
     with pytest.raises(ValueError, match="finished status"):
-        make_scheduler().finish_requests(["a"], RequestStatus.RUNNING)
+        make_scheduler().finish_requests(["a"], SequenceStatus.RUNNING)
 
 
 def test_abort_between_schedule_and_update_is_skipped():
@@ -298,7 +299,7 @@ def test_abort_between_schedule_and_update_is_skipped():
     req = make_request("a", 4)
     sched.add_request(req)
     out = sched.schedule()
-    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(["a"], SequenceStatus.FINISHED_ABORTED)
     assert sched.update_from_output(out, {"a": TOKEN}) == []
     assert req.output_token_ids == [] and req.num_computed_tokens == 0
     assert sched.block_manager.num_free_blocks == 32
@@ -346,7 +347,7 @@ def test_tight_cache_workload_runs_to_completion_with_preemptions():
         if not sched.has_unfinished_requests():
             break
         step(sched)
-    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert all(r.status is SequenceStatus.FINISHED_LENGTH for r in reqs)
     assert all(r.output_token_ids == [TOKEN] * 12 for r in reqs)
     assert sched.num_preemptions > 0
     assert sched.block_manager.num_free_blocks == 6
@@ -362,10 +363,10 @@ class RandomPolicy(FifoPolicy):
         super().__init__(config)
         self.rng = rng
 
-    def select_victim(self, running: list[Request]) -> Request:
+    def select_victim(self, running: list[Sequence]) -> Sequence:
         return self.rng.choice(running)
 
-    def select_preemptions(self, running, waiting, now) -> list[Request]:
+    def select_preemptions(self, running, waiting, now) -> list[Sequence]:
         return [self.rng.choice(running)] if self.rng.random() < 0.2 else []
 
 
@@ -421,7 +422,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.policy = self.sched.policy = RandomPolicy(self.config, self.rng)
         self.capacity = num_kv_blocks * block_size
         self.pending: SchedulerOutput | None = None
-        self.added: dict[str, Request] = {}
+        self.added: dict[str, Sequence] = {}
         self.finish_events: Counter[str] = Counter()
         self.reported_finished: Counter[str] = Counter()
 
@@ -439,7 +440,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         params = SamplingParams(
             max_tokens=max_tokens, priority=priority, deadline=deadline, length_hint=length_hint
         )
-        req = Request(
+        req = Sequence(
             f"r{len(self.added)}",
             [100 + i for i in range(prompt_len)],
             params,
@@ -468,19 +469,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert positions == sorted(positions)  # running first, then the newly admitted
         for r in out.scheduled:
             n = out.num_scheduled_tokens[r.request_id]
-            assert r.status is RequestStatus.RUNNING
+            assert r.status is SequenceStatus.RUNNING
             end = r.num_computed_tokens + n
             assert n >= 1 and end <= r.num_tokens
             assert len(bm.get_block_table(r.request_id)) * bm.block_size >= end
         for rid in out.preempted_request_ids:
-            assert self.added[rid].status is RequestStatus.PREEMPTED
+            assert self.added[rid].status is SequenceStatus.PREEMPTED
             assert rid not in out.num_scheduled_tokens
         for rid in out.finished_request_ids:
             req = self.added[rid]
             assert req.is_finished
             self.reported_finished[rid] += 1
             if req.abort_reason is not None:  # its deadline passed inside this schedule()
-                assert req.status is RequestStatus.FINISHED_ABORTED
+                assert req.status is SequenceStatus.FINISHED_ABORTED
                 assert req.deadline_at <= self.now
                 self.finish_events[rid] += 1
         # Nobody still queued is past its deadline.
@@ -502,7 +503,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def finish_from_outside(self, data, stop):
         rid = data.draw(st.sampled_from([*self.added, "unknown"]), label="request_id")
         was_open = rid in self.added and not self.added[rid].is_finished
-        status = RequestStatus.FINISHED_STOPPED if stop else RequestStatus.FINISHED_ABORTED
+        status = SequenceStatus.FINISHED_STOPPED if stop else SequenceStatus.FINISHED_ABORTED
         done = self.sched.finish_requests([rid], status)
         assert [r.request_id for r in done] == ([rid] if was_open else [])
         for req in done:
@@ -518,8 +519,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sum(1 for c in bm.ref_counts if c > 0) + bm.num_free_blocks == bm.num_total_blocks
         assert all(bm.ref_counts[b] == 0 for b in free)
         assert len(sched.running) == len(set(map(id, sched.running))) <= self.config.max_num_seqs
-        assert all(r.status is RequestStatus.RUNNING for r in sched.running)
-        waiting_states = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert all(r.status is SequenceStatus.RUNNING for r in sched.running)
+        waiting_states = (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
         assert all(r.status in waiting_states for r in sched.waiting)
         open_reqs = {rid for rid, r in self.added.items() if not r.is_finished}
         queued = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
@@ -528,7 +529,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         held = 0
         for rid, req in self.added.items():
             table = bm.get_block_table(rid)
-            if req.status is RequestStatus.RUNNING:
+            if req.status is SequenceStatus.RUNNING:
                 need = req.num_computed_tokens + pending.get(rid, 0)
                 assert len(table) == cdiv(need, bm.block_size)
             else:  # waiting, preempted or finished: holds nothing

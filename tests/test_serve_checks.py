@@ -19,9 +19,9 @@ import pytest
 from tests.serve_process import conveyor_command, free_port
 
 from conveyor import LLM, AsyncLLM
-from conveyor.async_engine import served_model_names
 from conveyor.cli import main
-from conveyor.config import EngineConfig
+from conveyor.engine.config import EngineConfig
+from conveyor.entrypoints.async_llm import served_model_names
 from conveyor.server.config import build_serve_config
 
 PREFIX = "conveyor serve: error: "

@@ -14,7 +14,9 @@ import openai
 import pytest
 from tests.serve_process import start_server
 
-from conveyor import demo
+from conveyor import LLM, SamplingParams
+from conveyor.core.limits import PromptLimits
+from conveyor.model import demo
 
 KEY = "sk-test-key"
 NAME = "tiny"
@@ -146,6 +148,21 @@ def test_context_errors_say_the_maximum_context_length(http) -> None:
     for body in ({"prompt": "x", "max_tokens": 10**9}, {"prompt": LONG_PROMPT}):
         message = http.post("/v1/completions", json=body).json()["error"]["message"]
         assert message.startswith("This model's maximum context length is 2048 tokens.")
+
+
+def test_the_three_fit_checks_give_one_message(http, demo_model_dir) -> None:
+    # The same too-long prompt through HTTP, LLM.generate and PromptLimits (core/limits.py).
+    prompt = [5] * 2100
+    body = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()
+    llm = LLM(str(demo_model_dir), num_kv_blocks=160)  # the server's settings
+    with pytest.raises(ValueError) as from_llm:
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    limits = PromptLimits(2048, demo.DEMO_CONFIG["vocab_size"], 160 * 16)
+    with pytest.raises(ValueError) as direct:
+        limits.check(prompt, SamplingParams(max_tokens=1))
+    message = body["error"]["message"]
+    assert message == str(from_llm.value) == str(direct.value)
+    assert message.startswith("This model's maximum context length is 2048 tokens.")
 
 
 def test_wrong_method_is_405(http) -> None:

@@ -1,4 +1,4 @@
-"""The trace simulator: the guide's worked examples, aging, deadlines, traces and the CLI."""
+"""The trace simulator: docs/scheduling.md's worked examples, aging, deadlines, traces, CLI."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from conveyor.cli import main
 from conveyor.core.policies import available_policies
 from conveyor.simulator import StepCost, percentile, simulate
-from conveyor.trace import TraceRequest, guide_trace, load_trace, synthetic_trace
+from conveyor.simulator.trace import TraceRequest, guide_trace, load_trace, synthetic_trace
 
-ONE_STEP = StepCost(base_s=1.0, per_token_s=0.0)  # time counts steps, as in the guide
+ONE_STEP = StepCost(base_s=1.0, per_token_s=0.0)  # time counts steps (docs/scheduling.md)
 
 
 def finish_steps(result) -> dict[str, int]:
@@ -22,12 +22,12 @@ def finish_steps(result) -> dict[str, int]:
 
 
 def test_guide_static_batch_takes_12_iterations_and_uses_35_of_48_slots():
-    """The guide's static batch (10, 5, 8, 12 tokens, batch 4).
+    """docs/scheduling.md's static batch (10, 5, 8, 12 tokens, batch 4).
 
     Request i is in the batch from step 1 to step len_i, so the step batch sizes are
     4 (steps 1-5), 3 (6-8: R2 done after step 5), 2 (9-10) and 1 (11-12): 35 request-steps
-    (= 10 + 5 + 8 + 12) of 48 slots, 73 %. The guide lists 4,4,4,4,3,... and counts 32: it
-    drops R2 one step early.
+    (= 10 + 5 + 8 + 12) of 48 slots, 73 %. The reference guide lists 4,4,4,4,3,... and counts
+    32: it drops R2 one step early.
     """
     result = simulate(
         guide_trace("guide-static"), cost=ONE_STEP, scheduler="static", max_num_seqs=4
@@ -40,16 +40,16 @@ def test_guide_static_batch_takes_12_iterations_and_uses_35_of_48_slots():
 
 
 def test_guide_continuous_timeline_takes_15_iterations_not_11():
-    """The guide's continuous example: batch 4; 10, 5, 8, 12 tokens at t = 0, then 6 (R5) and
-    7 (R6) tokens waiting from steps 3 and 4.
+    """docs/scheduling.md's continuous example: batch 4; 10, 5, 8, 12 tokens at t = 0, then
+    6 (R5) and 7 (R6) tokens waiting from steps 3 and 4.
 
     The first seat frees after step 5 (R2's 5th token), so R5 runs steps 6-11; the next after
     step 8 (R3), so R6 runs steps 9-15; R1 ends at 10 and R4 at 12. Batch sizes: 4 for steps
     1-10, then 3, 2, 1, 1, 1: 48 request-steps in 15 steps (mean 3.2, 80 % of 60 slots).
-    The guide's 11 iterations with a mean batch of 4.36 cannot be: 48 tokens at most 4 per
-    step need at least 12 steps, and it admits R5 in the step R2 is still generating (step 5)
-    and R6 at step 7, before R3 (8 tokens) has ended. Static batching needs 19 steps (R1-R4
-    take 12, then R5 and R6 take 7 more).
+    The reference guide's 11 iterations with a mean batch of 4.36 cannot be: 48 tokens at
+    most 4 per step need at least 12 steps, and it admits R5 in the step R2 is still
+    generating (step 5) and R6 at step 7, before R3 (8 tokens) has ended. Static batching
+    needs 19 steps (R1-R4 take 12, then R5 and R6 take 7 more).
     """
     trace = guide_trace("guide-continuous")
     result = simulate(trace, cost=ONE_STEP, scheduler="fifo", max_num_seqs=4)

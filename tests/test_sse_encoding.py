@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.outputs import CompletionOutput, RequestOutput
+from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server import chat, completions
 from conveyor.server.responses import (
     ChatCompletionStreamChoice,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from conveyor.sampling_params import SamplingParams
-from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MULTIBYTE_TEXT = "Café naïve 😀🎉 résumé Ångström 日本語 👍🏽 façade"
 

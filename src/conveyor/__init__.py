@@ -19,17 +19,17 @@ __all__ = [
 ]
 
 _LAZY = {
-    "LLM": "conveyor.llm",
-    "AsyncLLM": "conveyor.async_engine",
+    "LLM": "conveyor.entrypoints.llm",
+    "AsyncLLM": "conveyor.entrypoints.async_llm",
     "SamplingParams": "conveyor.sampling_params",
-    "RequestOutput": "conveyor.outputs",
-    "CompletionOutput": "conveyor.outputs",
+    "RequestOutput": "conveyor.engine.outputs",
+    "CompletionOutput": "conveyor.engine.outputs",
 }
 
 if TYPE_CHECKING:
-    from conveyor.async_engine import AsyncLLM
-    from conveyor.llm import LLM
-    from conveyor.outputs import CompletionOutput, RequestOutput
+    from conveyor.engine.outputs import CompletionOutput, RequestOutput
+    from conveyor.entrypoints.async_llm import AsyncLLM
+    from conveyor.entrypoints.llm import LLM
     from conveyor.sampling_params import SamplingParams
 
 

@@ -28,7 +28,7 @@ def _add_demo_model(commands: argparse._SubParsersAction) -> None:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from conveyor.demo import write_demo_model
+    from conveyor.model.demo import write_demo_model
 
     print(write_demo_model(args.dir).resolve())
     return 0
@@ -148,8 +148,9 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--workload",
         default="exponential",
-        help="exponential (default), uniform, lognormal, bimodal, fixed, or the guide's "
-        "examples guide-static / guide-continuous (1 s steps, max batch 4 unless given)",
+        help="exponential (default), uniform, lognormal, bimodal, fixed, or the worked "
+        "examples guide-static / guide-continuous of docs/scheduling.md (1 s steps, max "
+        "batch 4 unless given)",
     )
     add("--num-requests", type=int, default=1000, metavar="N", help="synthetic requests")
     add("--rate", type=float, default=float("inf"), help="Poisson arrivals/s (default: all at 0)")
@@ -176,10 +177,10 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     import json
 
-    from conveyor.config import EngineConfig
     from conveyor.core.policies import available_policies
+    from conveyor.engine.config import EngineConfig
     from conveyor.simulator import StepCost, format_table, simulate
-    from conveyor.trace import GUIDE_WORKLOADS, load_trace, synthetic_trace
+    from conveyor.simulator.trace import GUIDE_WORKLOADS, load_trace, synthetic_trace
 
     guide = args.trace is None and args.workload in GUIDE_WORKLOADS
     if args.trace is not None:
@@ -206,7 +207,7 @@ def _simulate(args: argparse.Namespace) -> int:
         if getattr(args, f"step_{k}") is not None
     }
     if guide and not step_cost:
-        step_cost = {"base_s": 1.0, "per_token_s": 0.0}  # the guide counts in steps
+        step_cost = {"base_s": 1.0, "per_token_s": 0.0}  # the examples count in steps
     cost = StepCost(**step_cost)
     max_num_seqs = args.max_num_seqs or (4 if guide else 32)
     reports = {}
@@ -233,7 +234,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
-    from conveyor.bench_serve import add_arguments
+    from conveyor.bench.serve import add_arguments
 
     parser = commands.add_parser("bench", help="benchmarks (`conveyor bench serve`)")
     benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -249,7 +250,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from conveyor.bench_serve import main as bench_main
+    from conveyor.bench.serve import main as bench_main
 
     return bench_main(args)
 

@@ -6,8 +6,9 @@ Every invalid value raises ValueError naming the field and the allowed range, so
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from conveyor.validation import check_int, check_number
 
 # Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
@@ -60,64 +61,44 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        _check_int("n", self.n, lo=1)
+        check_int("n", self.n, lo=1)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_int("min_tokens", self.min_tokens, lo=0)
+            check_int("max_tokens", self.max_tokens, lo=1)
+        check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
-        _check_float("temperature", self.temperature, "must be >= 0", lambda v: v >= 0)
-        _check_float("top_p", self.top_p, "must be in (0, 1]", lambda v: 0.0 < v <= 1.0)
-        _check_int("top_k", self.top_k, lo=-1, hint="-1 or 0 disables top-k")
-        _check_float("min_p", self.min_p, "must be in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+        check_number("temperature", self.temperature, ">= 0", lambda v: v >= 0)
+        check_number("top_p", self.top_p, "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        check_int("top_k", self.top_k, lo=-1, hint="-1 or 0 disables top-k")
+        check_number("min_p", self.min_p, "in [0, 1]", lambda v: 0.0 <= v <= 1.0)
         for name in ("presence_penalty", "frequency_penalty"):
-            _check_float(name, getattr(self, name), "must be in [-2, 2]", lambda v: -2 <= v <= 2)
-        _check_float(
+            check_number(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2)
+        check_number(
             "repetition_penalty",
             self.repetition_penalty,
-            "must be in (0, 2]",
+            "in (0, 2]",
             lambda v: 0.0 < v <= 2.0,
         )
         if self.seed is not None:
-            _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
+            check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
-        _check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
+            check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
         if self.deadline is not None:
-            _check_float(
+            check_number(
                 "deadline",
                 self.deadline,
-                "must be a positive, finite number of seconds from arrival",
+                "a positive, finite number of seconds from arrival",
                 lambda v: 0 < v < float("inf"),
             )
         if self.length_hint is not None:
-            _check_int("length_hint", self.length_hint, lo=1)
+            check_int("length_hint", self.length_hint, lo=1)
         for s in self.stop_strings:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}.")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def _check_int(name: str, value: object, lo: int, hi: int | None = None, hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}.")
-    if value < lo or (hi is not None and value > hi):
-        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        extra = f" ({hint})" if hint else ""
-        raise ValueError(f"{name} must be {allowed}{extra}, got {value}.")
-
-
-def _check_float(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}.")
-    if value != value or not ok(value):  # value != value catches NaN
-        raise ValueError(f"{name} {allowed}, got {value}.")

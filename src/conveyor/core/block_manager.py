@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from conveyor.core.request import Request
+from conveyor.core.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:
@@ -75,7 +75,7 @@ class BlockManager:
         """Blocks needed to hold `num_tokens` tokens."""
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+    def allocate_slots(self, request: Sequence, num_new_tokens: int) -> bool:
         """Make the request's block table cover its computed tokens plus `num_new_tokens`.
 
         Only the missing blocks are allocated. All-or-nothing: when the free queue is too
@@ -106,7 +106,7 @@ class BlockManager:
             table.append(block_id)
         return True
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Sequence) -> None:
         """Drop the request's hold on every block in its table.
 
         A block whose ref count reaches 0 goes back to the free queue. Idempotent: a request

@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections import abc
+from collections.abc import Callable
 from typing import ClassVar, TypeVar
 
-from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
-from conveyor.core.request import Request, RequestStatus
+from conveyor.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.config import EngineConfig
 
 
 class SchedulingPolicy(ABC):
@@ -63,8 +64,8 @@ class SchedulingPolicy(ABC):
 
     @abstractmethod
     def order_waiting(
-        self, waiting: Sequence[Request], now: float, running: Sequence[Request] = ()
-    ) -> list[Request]:
+        self, waiting: abc.Sequence[Sequence], now: float, running: abc.Sequence[Sequence] = ()
+    ) -> list[Sequence]:
         """Admission order of the waiting requests.
 
         Preempted requests are re-queued at the front of `waiting` by the scheduler; a
@@ -79,7 +80,7 @@ class SchedulingPolicy(ABC):
             that does not fit. Requests left out stay waiting.
         """
 
-    def select_victim(self, running: list[Request]) -> Request:
+    def select_victim(self, running: list[Sequence]) -> Sequence:
         """The running request to preempt (recompute) when blocks run out.
 
         Args:
@@ -89,7 +90,7 @@ class SchedulingPolicy(ABC):
         """
         return running[-1]
 
-    def may_admit(self, running: Sequence[Request]) -> bool:
+    def may_admit(self, running: abc.Sequence[Sequence]) -> bool:
         """Whether this step may admit waiting requests at all (asked once per step).
 
         A static-batching baseline returns False while its batch runs.
@@ -97,8 +98,8 @@ class SchedulingPolicy(ABC):
         return True
 
     def select_preemptions(
-        self, running: Sequence[Request], waiting: Sequence[Request], now: float
-    ) -> list[Request]:
+        self, running: abc.Sequence[Sequence], waiting: abc.Sequence[Sequence], now: float
+    ) -> list[Sequence]:
         """Running requests to preempt at the start of a step so waiting ones can run.
 
         Used by preemptive policies (a short job displacing a long one). Unlike preemption
@@ -112,11 +113,11 @@ class SchedulingPolicy(ABC):
 
     def _plan_preemptions(
         self,
-        candidates: Sequence[Request],
-        victims: Sequence[Request],
-        running: Sequence[Request],
-        outranks: Callable[[Request, Request], bool],
-    ) -> list[Request]:
+        candidates: abc.Sequence[Sequence],
+        victims: abc.Sequence[Sequence],
+        running: abc.Sequence[Sequence],
+        outranks: Callable[[Sequence, Sequence], bool],
+    ) -> list[Sequence]:
         """Victims to preempt so that the candidates, in order, find a seat and KV blocks.
 
         Walks the candidates (the admission order) while each still fits: a free seat
@@ -137,15 +138,15 @@ class SchedulingPolicy(ABC):
         """
         bm = self.block_manager
 
-        def held(r: Request) -> int:
+        def held(r: Sequence) -> int:
             return 0 if bm is None else len(bm.block_tables.get(r.request_id, ()))
 
-        def growth(r: Request) -> int:  # blocks r still needs to cover its known tokens
+        def growth(r: Sequence) -> int:  # blocks r still needs to cover its known tokens
             return 0 if bm is None else max(0, bm.num_blocks_for(r.num_tokens) - held(r))
 
         seats = self.max_num_seqs - len(running)
         free = math.inf if bm is None else bm.num_free_blocks - sum(map(growth, running))
-        chosen: list[Request] = []
+        chosen: list[Sequence] = []
         v = 0
         for cand in candidates:
             need = 0 if bm is None else bm.num_blocks_for(cand.num_tokens)
@@ -202,7 +203,7 @@ def make_policy(
     return cls(config, block_manager)
 
 
-def priority_key(req: Request) -> tuple[int, float, float]:
+def priority_key(req: Sequence) -> tuple[int, float, float]:
     """Lower sorts first: priority value, then earliest deadline, then arrival."""
     return (req.sampling_params.priority, req.deadline_at, req.arrival_time)
 
@@ -214,8 +215,8 @@ class FifoPolicy(SchedulingPolicy):
     name = "fifo"
 
     def order_waiting(
-        self, waiting: Sequence[Request], now: float, running: Sequence[Request] = ()
-    ) -> list[Request]:
+        self, waiting: abc.Sequence[Sequence], now: float, running: abc.Sequence[Sequence] = ()
+    ) -> list[Sequence]:
         return list(waiting)
 
 
@@ -232,17 +233,17 @@ class PriorityPolicy(SchedulingPolicy):
     name = "priority"
 
     def order_waiting(
-        self, waiting: Sequence[Request], now: float, running: Sequence[Request] = ()
-    ) -> list[Request]:
+        self, waiting: abc.Sequence[Sequence], now: float, running: abc.Sequence[Sequence] = ()
+    ) -> list[Sequence]:
         return sorted(waiting, key=priority_key)
 
-    def select_victim(self, running: list[Request]) -> Request:
+    def select_victim(self, running: list[Sequence]) -> Sequence:
         # Reversed: among equal keys, the most recently admitted yields.
         return max(reversed(running), key=priority_key)
 
     def select_preemptions(
-        self, running: Sequence[Request], waiting: Sequence[Request], now: float
-    ) -> list[Request]:
+        self, running: abc.Sequence[Sequence], waiting: abc.Sequence[Sequence], now: float
+    ) -> list[Sequence]:
         best = min(r.sampling_params.priority for r in waiting)
         if best >= max(r.sampling_params.priority for r in running):
             return []  # Nobody waiting outranks anybody running: the common case, O(n).
@@ -265,19 +266,19 @@ class StaticBatchPolicy(SchedulingPolicy):
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
         super().__init__(config, block_manager)
-        self._batch: list[Request] = []
+        self._batch: list[Sequence] = []
 
     def _batch_over(self) -> bool:
         return all(r.is_finished for r in self._batch)
 
-    def may_admit(self, running: Sequence[Request]) -> bool:
+    def may_admit(self, running: abc.Sequence[Sequence]) -> bool:
         # Admit while the batch is over (a new one forms) or members still wait for a seat.
-        waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        waiting = (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
         return self._batch_over() or any(r.status in waiting for r in self._batch)
 
     def order_waiting(
-        self, waiting: Sequence[Request], now: float, running: Sequence[Request] = ()
-    ) -> list[Request]:
+        self, waiting: abc.Sequence[Sequence], now: float, running: abc.Sequence[Sequence] = ()
+    ) -> list[Sequence]:
         if self._batch_over():
             self._batch = list(waiting)[: self.max_num_seqs]
             return list(self._batch)

@@ -21,15 +21,16 @@ that were already running.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import abc
+from collections.abc import Callable
 
-from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies import SchedulingPolicy, register_policy
-from conveyor.core.request import Request
+from conveyor.core.sequence import Sequence
+from conveyor.engine.config import EngineConfig
 
 
-def remaining(req: Request) -> int:
+def remaining(req: Sequence) -> int:
     """Expected remaining output tokens of `req` (at least 1)."""
     return max(1, req.expected_output_tokens - len(req.output_token_ids))
 
@@ -44,14 +45,14 @@ class SjfPolicy(SchedulingPolicy):
         super().__init__(config, block_manager)
         self.aging_bound_s = config.aging_bound_s
 
-    def rank_key(self, now: float) -> Callable[[Request], tuple[float, float, float]]:
+    def rank_key(self, now: float) -> Callable[[Sequence], tuple[float, float, float]]:
         """The sort key of waiting requests at time `now`: (effective, deadline, arrival).
 
         Inlined arithmetic: this runs for every waiting request on every admitting step.
         """
         bound = self.aging_bound_s
 
-        def key(r: Request) -> tuple[float, float, float]:
+        def key(r: Sequence) -> tuple[float, float, float]:
             age = now - r.arrival_time
             if age >= bound:
                 return (0.0, r.deadline_at, r.arrival_time)
@@ -66,8 +67,8 @@ class SjfPolicy(SchedulingPolicy):
         return key
 
     def order_waiting(
-        self, waiting: Sequence[Request], now: float, running: Sequence[Request] = ()
-    ) -> list[Request]:
+        self, waiting: abc.Sequence[Sequence], now: float, running: abc.Sequence[Sequence] = ()
+    ) -> list[Sequence]:
         return sorted(waiting, key=self.rank_key(now))
 
 
@@ -92,8 +93,8 @@ class PreemptiveSjfPolicy(SjfPolicy):
         self.cooldown_s = config.preemption_cooldown_s
 
     def select_preemptions(
-        self, running: Sequence[Request], waiting: Sequence[Request], now: float
-    ) -> list[Request]:
+        self, running: abc.Sequence[Sequence], waiting: abc.Sequence[Sequence], now: float
+    ) -> list[Sequence]:
         cooldown, bound = self.cooldown_s, self.aging_bound_s
         victims = [
             r
@@ -121,7 +122,7 @@ class PreemptiveSjfPolicy(SjfPolicy):
 
 @register_policy
 class LengthAwarePolicy(SjfPolicy):
-    """Keeps a mix of short and long requests in the batch (the guide's length-aware policy).
+    """Keeps a mix of short and long requests in the batch (see docs/scheduling.md).
 
     The target is the mean remaining length of every request in the system (running and
     waiting). Each seat goes to the shortest waiting request while the batch's mean remaining
@@ -133,8 +134,8 @@ class LengthAwarePolicy(SjfPolicy):
     name = "length-aware"
 
     def order_waiting(
-        self, waiting: Sequence[Request], now: float, running: Sequence[Request] = ()
-    ) -> list[Request]:
+        self, waiting: abc.Sequence[Sequence], now: float, running: abc.Sequence[Sequence] = ()
+    ) -> list[Sequence]:
         bound = self.aging_bound_s
         order = sorted(
             (r for r in waiting if now - r.arrival_time >= bound),

@@ -27,33 +27,13 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
-from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
+from conveyor.core.limits import check_kv_fits
 from conveyor.core.policies import make_policy
-from conveyor.core.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step runs; plain data for the model runner.
-
-    A request is sampled in this step iff
-    `num_computed_tokens + num_scheduled_tokens[id] == num_tokens` (read before the update).
-    """
-
-    # Batch order: running requests first (admission order), then the newly admitted.
-    scheduled: list[Request]
-    # New tokens per request id: prefill chunk, whole prompt, recompute or 1 decode token.
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
-    # Live block tables of the scheduled requests (read-only; see BlockManager).
-    block_tables: dict[str, list[int]]
-    # Preempted (recompute) in this step; their cached K/V is gone.
-    preempted_request_ids: list[str]
-    # Finished for any reason since the previous schedule(): drop per-request state.
-    finished_request_ids: list[str]
+from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.config import EngineConfig
 
 
 class Scheduler:
@@ -79,16 +59,16 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.policy = make_policy(config.scheduler, config, self.block_manager)
         self.clock = clock
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
         # Unfinished requests by id, for finish_requests().
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
         # Finished since the previous schedule(); handed over in its output.
         self._finished_ids: list[str] = []
         # (deadline_at, tie-breaker, request) of requests with a deadline; finished ones are
         # dropped lazily when they reach the top.
-        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadlines: list[tuple[float, int, Sequence]] = []
         self._deadline_seq = itertools.count()
 
     @property
@@ -107,26 +87,21 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Sequence) -> None:
         """Queue a new request at the back of `waiting`.
 
         Raises:
-            ValueError: empty prompt, duplicate id, or a request whose prompt plus
-                `max_tokens` could never fit in the whole KV cache (it would wait forever).
+            ValueError: duplicate id; PromptError (a ValueError): empty prompt, or a request
+                whose prompt plus `max_tokens` could never fit in the whole KV cache (it
+                would wait forever).
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use.")
-        if request.num_prompt_tokens == 0:
-            raise ValueError("the prompt must contain at least one token.")
-        # The last sampled token is never fed back, so it needs no cache slot.
-        need = self.block_manager.num_blocks_for(request.num_prompt_tokens + request.max_tokens - 1)
-        if need > self.block_manager.num_total_blocks:
-            raise ValueError(
-                f"request {request.request_id!r} needs {need} KV blocks for its prompt and "
-                f"max_tokens, but the cache has only {self.block_manager.num_total_blocks}; "
-                "shorten the prompt or lower max_tokens."
-            )
-        request.status = RequestStatus.WAITING
+        bm = self.block_manager
+        check_kv_fits(
+            request.num_prompt_tokens, request.max_tokens, bm.num_total_blocks * bm.block_size
+        )
+        request.status = SequenceStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
         deadline_at = request.deadline_at
@@ -144,7 +119,7 @@ class Scheduler:
             The step's SchedulerOutput (possibly empty).
         """
         budget = self.max_num_batched_tokens
-        scheduled: list[Request] = []
+        scheduled: list[Sequence] = []
         num_scheduled: dict[str, int] = {}
         preempted_ids: list[str] = []
         running = self.running
@@ -154,7 +129,7 @@ class Scheduler:
 
         if self.waiting and running:
             for victim in self.policy.select_preemptions(running, self.waiting, now):
-                if victim.status is RequestStatus.RUNNING:
+                if victim.status is SequenceStatus.RUNNING:
                     self._preempt(victim, running.index(victim), preempted_ids)
         num_policy_preemptions = len(preempted_ids)
 
@@ -216,14 +191,14 @@ class Scheduler:
     def _admit(
         self,
         budget: int,
-        scheduled: list[Request],
+        scheduled: list[Sequence],
         num_scheduled: dict[str, int],
         now: float,
         skip: set[str],
     ) -> int:
         """Admit waiting requests in policy order, except `skip` ids; returns the budget left."""
         running = self.running
-        admitted: list[Request] = []
+        admitted: list[Sequence] = []
         for req in self.policy.order_waiting(self.waiting, now, running):
             if budget <= 0 or len(running) >= self.max_num_seqs:
                 break
@@ -233,7 +208,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(req, n):
                 break
-            req.status = RequestStatus.RUNNING
+            req.status = SequenceStatus.RUNNING
             req.admitted_at = now
             running.append(req)
             admitted.append(req)
@@ -265,13 +240,13 @@ class Scheduler:
                     "after arrival"
                 )
                 expired.append(req.request_id)
-        self.finish_requests(expired, RequestStatus.FINISHED_ABORTED)
+        self.finish_requests(expired, SequenceStatus.FINISHED_ABORTED)
 
-    def _preempt(self, req: Request, index: int, preempted_ids: list[str]) -> None:
+    def _preempt(self, req: Sequence, index: int, preempted_ids: list[str]) -> None:
         """Recompute-preempt running[index] (== req): free blocks, re-queue at the front."""
         del self.running[index]
         self.block_manager.free(req)
-        req.status = RequestStatus.PREEMPTED
+        req.status = SequenceStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -280,7 +255,7 @@ class Scheduler:
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[Request]:
+    ) -> list[Sequence]:
         """Apply one executed step.
 
         For every scheduled request still running: advance `num_computed_tokens` by its
@@ -297,11 +272,11 @@ class Scheduler:
         Returns:
             The requests that got a new token (finished ones included, with final status).
         """
-        new_token_reqs: list[Request] = []
+        new_token_reqs: list[Sequence] = []
         any_finished = False
         num_scheduled = output.num_scheduled_tokens
         for req in output.scheduled:
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not SequenceStatus.RUNNING:
                 continue
             rid = req.request_id
             req.num_computed_tokens += num_scheduled[rid]
@@ -313,15 +288,15 @@ class Scheduler:
                 req.append_output_token(token_id)
                 status = req.check_stop()
             except Exception as exc:  # its own fault: it alone ends, the step goes on
-                req.fault, status = exc, RequestStatus.FINISHED_ABORTED
+                req.fault, status = exc, SequenceStatus.FINISHED_ABORTED
             if status is not None:
                 self._finish(req, status)
                 any_finished = True
         if any_finished:
-            self.running[:] = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self.running[:] = [r for r in self.running if r.status is SequenceStatus.RUNNING]
         return new_token_reqs
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+    def finish_requests(self, request_ids: Iterable[str], status: SequenceStatus) -> list[Sequence]:
         """Finish requests from outside: abort, or a stop string the detokenizer matched.
 
         Frees their blocks and removes them from `waiting` / `running`. Unknown and
@@ -335,13 +310,13 @@ class Scheduler:
         """
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status.name}.")
-        finished: list[Request] = []
+        finished: list[Sequence] = []
         any_running = any_waiting = False
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:  # Unknown, or already finished.
                 continue
-            if req.status is RequestStatus.RUNNING:
+            if req.status is SequenceStatus.RUNNING:
                 any_running = True
             else:
                 any_waiting = True
@@ -349,14 +324,14 @@ class Scheduler:
             finished.append(req)
         # One filtering pass per queue, not one O(n) removal per request.
         if any_running:
-            self.running[:] = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self.running[:] = [r for r in self.running if r.status is SequenceStatus.RUNNING]
         if any_waiting:
             kept = [r for r in self.waiting if not r.is_finished]
             self.waiting.clear()
             self.waiting.extend(kept)
         return finished
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Sequence, status: SequenceStatus) -> None:
         """Mark finished, free blocks, forget the id (the caller removes it from its queue)."""
         req.status = status
         self.block_manager.free(req)

@@ -20,13 +20,13 @@ reference (conveyor.model.torch_attention, the ground truth) or the Triton kerne
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from conveyor.model.kv_cache import KVCache, QuantizedKVCache, write_kv_cache
@@ -53,17 +53,9 @@ class AttentionMetadata:
     max_seq_len: int
     # Optional: int64 [T] positions of the new tokens (runners may carry them here).
     positions: torch.Tensor | None = None
-    # Per-step state a backend derives once and reuses in every layer (see prepare()).
+    # Per-step state a backend derives in the first layer and reuses in the others (the torch
+    # backend's index plan, torch_attention._make_plan).
     backend_state: Any = field(default=None, repr=False, compare=False)
-
-
-def compute_positions(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
-    """Positions [T] (int64, CPU) of every new token: seq_len - query_len .. seq_len - 1."""
-    q = torch.tensor(query_lens, dtype=torch.int64)
-    ctx = torch.tensor(seq_lens, dtype=torch.int64) - q
-    starts = torch.cumsum(q, 0) - q
-    req = torch.repeat_interleave(torch.arange(len(query_lens)), q)
-    return torch.arange(int(sum(query_lens))) - starts[req] + ctx[req]
 
 
 def build_attention_metadata(
@@ -73,7 +65,9 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    """Build AttentionMetadata from host lists (a convenience for runners and tests).
+    """Build one step's AttentionMetadata from host lists (the runner's, every step).
+
+    Positions and slots are computed in numpy on the host, then copied to `device` once.
 
     Args:
         query_lens: new tokens per request, batch order (each >= 1).
@@ -81,28 +75,39 @@ def build_attention_metadata(
         block_tables: block ids per request, covering at least seq_len tokens.
         block_size: tokens per KV block.
         device: where the tensors go.
+    Returns:
+        the metadata, positions included.
+    Raises:
+        ValueError: lists of different lengths, or a request shape that breaks the rules above.
     """
     if not (len(query_lens) == len(seq_lens) == len(block_tables)):
         raise ValueError("query_lens, seq_lens and block_tables need one entry per request.")
     for q, s, t in zip(query_lens, seq_lens, block_tables, strict=True):
         if q < 1 or s < q or len(t) * block_size < s:
             raise ValueError(f"bad request shape: query_len={q}, seq_len={s}, blocks={len(t)}.")
-    width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-    positions = compute_positions(query_lens, seq_lens)
-    req = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-    slots = tables[req, positions // block_size].long() * block_size + positions % block_size
-    cu = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    num_reqs = len(query_lens)
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    s_lens = np.asarray(seq_lens, dtype=np.int64)
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    # position of token t = t - (start of its chunk in the flat batch) + (its first position)
+    req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+    starts = query_start_loc[:-1] - (s_lens - q_lens)
+    positions = np.arange(query_start_loc[-1]) - starts[req_of_token]
+    tables = np.zeros((num_reqs, max(len(t) for t in block_tables)), dtype=np.int64)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = table
+    slots = tables[req_of_token, positions // block_size] * block_size + positions % block_size
     return AttentionMetadata(
-        slot_mapping=slots.to(device),
-        query_start_loc=cu.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        block_tables=tables.to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(s_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        positions=positions.to(device),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(s_lens.max()),
+        positions=torch.from_numpy(positions).to(device),
     )
 
 

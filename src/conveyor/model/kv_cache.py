@@ -22,8 +22,11 @@ from typing import Protocol
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")
-MIN_ABSMAX = 1e-8  # keep in sync with kernels/kv_write.py
+from conveyor.engine.config import KV_CACHE_DTYPES
+
+# The absmax floor: an all-zero row stores zeros with a tiny (harmless) scale. Defined here,
+# not in conveyor.kernels (which needs triton): the Triton write kernel imports it from here.
+MIN_ABSMAX = 1e-8
 
 
 @dataclass(slots=True)

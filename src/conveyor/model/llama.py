@@ -48,7 +48,6 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None  # recorded, not applied (see module docstring)
-    torch_dtype: str | None = None  # checkpoint dtype name, e.g. "bfloat16"
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -95,7 +94,6 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=hf.get("sliding_window") if use_window else None,
-            torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
         )
 
 
@@ -212,11 +210,6 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-
-    def set_attention_backend(self, backend: AttentionBackend) -> None:
-        """Route every layer's attention through `backend`."""
-        for layer in self.model.layers:
-            layer.self_attn.backend = backend
 
     def forward(
         self,

@@ -22,8 +22,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from conveyor.checkpoint import read_config_json
+from conveyor.engine.config import DTYPES
 from conveyor.model.attention import get_attention_backend
+from conveyor.model.checkpoint import read_config_json
 from conveyor.model.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -39,7 +40,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The one name -> dtype table: EngineConfig's dtype names, "auto" aside (resolve_dtype).
+_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in DTYPES if n != "auto"}
 # Buffers some older checkpoints saved; we recompute them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -62,15 +64,32 @@ def resolve_model_class(hf_config: dict[str, Any]) -> type[LlamaForCausalLM]:
 
 
 def resolve_dtype(
-    dtype: torch.dtype | str, hf_config: dict[str, Any], device: torch.device
+    dtype: torch.dtype | str, device: torch.device, hf_config: dict[str, Any] | None = None
 ) -> torch.dtype:
-    """A torch dtype from a dtype or name; "auto": float32 on CPU, else the checkpoint's
-    half-precision dtype (float32 if it has none)."""
+    """A torch dtype from a dtype or one of `DTYPES`' names.
+
+    "auto" is float32 on CPU (half-precision CPU GEMMs are slow without AMX/AVX512-BF16, and
+    float32 keeps exact parity). Elsewhere it depends on `hf_config`:
+    - None (the engine, `EngineConfig.dtype`): bfloat16 on CUDA, float32 on other devices;
+    - a config.json dict (`load_model`): the checkpoint's half-precision dtype, float32 when
+      it names none.
+
+    Args:
+        dtype: a torch dtype (returned as is), "auto", "float32", "float16" or "bfloat16".
+        device: the device the model runs on.
+        hf_config: the checkpoint's config.json, to make "auto" follow the checkpoint.
+    Returns:
+        the dtype.
+    Raises:
+        ValueError: an unknown name.
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.type == "cpu":
-            return torch.float32  # CPU half-precision GEMMs are slow without AMX/AVX512-BF16
+            return torch.float32
+        if hf_config is None:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
         name = hf_config.get("dtype") or hf_config.get("torch_dtype")
         return _DTYPES[name] if name in ("float16", "bfloat16") else torch.float32
     if dtype not in _DTYPES:
@@ -117,7 +136,8 @@ def load_model(
 
     Args:
         path: HF checkpoint directory (config.json + safetensors).
-        dtype: torch dtype or "auto" / "float32" / "float16" / "bfloat16".
+        dtype: torch dtype or "auto" / "float32" / "float16" / "bfloat16" ("auto": float32
+            on CPU, else the checkpoint's half-precision dtype; see resolve_dtype).
         device: torch device or name ("auto": cuda when available, else cpu).
         attention_backend: name for get_attention_backend ("auto", "torch", "triton").
     Returns:
@@ -131,7 +151,7 @@ def load_model(
     device = torch.device(device)
     hf_config = read_hf_config(path)
     cls = resolve_model_class(hf_config)
-    dtype = resolve_dtype(dtype, hf_config, device)
+    dtype = resolve_dtype(dtype, device, hf_config)
     config = ModelConfig.from_hf_config(hf_config)
     files = checkpoint_files(path)
     # Tied when the config says so, or when the checkpoint simply has no lm_head.

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
-from conveyor.config import EngineConfig
 from conveyor.core.block_manager import cdiv
-from conveyor.core.request import Request
-from conveyor.core.scheduler import SchedulerOutput
-from conveyor.model.attention import AttentionMetadata
+from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.core.sequence import Sequence
+from conveyor.engine.config import EngineConfig
+from conveyor.model.attention import AttentionMetadata, build_attention_metadata
+from conveyor.model.demo import demo_model_path
 from conveyor.model.kv_cache import (
     allocate_kv_caches,
     available_memory_bytes,
@@ -33,7 +33,12 @@ from conveyor.model.kv_cache import (
     kv_cache_memory_error,
 )
 from conveyor.model.llama import ModelConfig
-from conveyor.model.loader import load_model, read_hf_config, resolve_model_class
+from conveyor.model.loader import (
+    load_model,
+    read_hf_config,
+    resolve_dtype,
+    resolve_model_class,
+)
 from conveyor.model.logits_guard import FiniteLogitsGuard
 from conveyor.model.sampler import Sampler, SamplerOutput
 
@@ -42,8 +47,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_SPACE_GB = 1.0
 # The demo model is tiny: 128 MiB holds 2048 blocks (32k tokens), plenty for trying it out.
 DEMO_KV_CACHE_SPACE_GB = 0.125
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -54,18 +57,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """float32 on CPU by default (exact parity, fast MKL GEMMs); bfloat16 on CUDA."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
 class ModelRunner:
     """Owns the model, the paged KV cache tensors and the sampler."""
 
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(self, config: EngineConfig, model_path: str | None = None) -> None:
+        """Args:
+        config: the engine's settings.
+        model_path: the checkpoint folder; None: `config.model`, or the embedded demo
+            checkpoint (built on first use) when that is None too.
+        """
+        if model_path is None:
+            model_path = str(config.model or demo_model_path())
+        self.model_path = model_path
         self.device = resolve_device(config.device)
+        # No hf_config: the engine's "auto" is bfloat16 on CUDA whatever the checkpoint says.
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         # The KV cache is sized from config.json alone, so one that cannot fit in memory is
@@ -138,7 +143,7 @@ class ModelRunner:
             self.sampler.remove_requests(request_ids)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
+    def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one step.
 
         Returns:
@@ -156,12 +161,11 @@ class ModelRunner:
 
     def _prepare(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[Request]]:
-        bs = self.block_size
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        sampled: list[Request] = []
+        sampled: list[Sequence] = []
         sample_rows: list[int] = []
         tables = []
         row = 0
@@ -178,39 +182,15 @@ class ModelRunner:
                 sampled.append(req)
                 sample_rows.append(row - 1)
 
-        num_reqs = len(query_lens)
-        q_lens = np.asarray(query_lens, dtype=np.int64)
-        s_lens = np.asarray(seq_lens, dtype=np.int64)
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        # position of token t = t - (start of its chunk in the flat batch) + (its first position)
-        first_pos = s_lens - q_lens
-        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-        positions = np.arange(row) - (query_start_loc[:-1] - first_pos)[req_of_token]
-        max_blocks = max(len(t) for t in tables)
-        block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-        for i, table in enumerate(tables):
-            block_tables[i, : len(table)] = table
-        slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs
-
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(s_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(s_lens.max()),
-            positions=torch.from_numpy(positions).to(dev),
-        )
+        # The scheduler gives every request >= 1 new token and a table covering its context.
+        meta = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         return input_ids, meta, rows, sampled
 
 
-def _token_slice(req: Request, start: int, end: int) -> list[int]:
+def _token_slice(req: Sequence, start: int, end: int) -> list[int]:
     """Tokens [start, end) of prompt + output without concatenating the two lists."""
     num_prompt = req.num_prompt_tokens
     if start >= num_prompt:

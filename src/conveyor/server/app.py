@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from conveyor import __version__
-from conveyor.async_engine import AsyncLLM, EngineNotRunningError
+from conveyor.entrypoints.async_llm import AsyncLLM, EngineNotRunningError
 from conveyor.server.admission import BodySizeLimit
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.outputs import Logprob, RequestOutput
+from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.sampling_params import MAX_LOGPROBS
+from conveyor.server.choice_stream import stream_choices, usage_flags
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import ChatCompletionRequest
@@ -50,12 +52,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt_ids = ctx.render_chat(
         req.messages, bool(req.add_generation_prompt), req.chat_template_kwargs
     )
-    ctx.check_fits(prompt_ids, max_tokens, params, "messages")
+    ctx.check_fits(prompt_ids, params, "messages")
     ctx.admit(params.n)
     request_id = random_id("chatcmpl")
     stream = ctx.engine.generate(prompt_ids, params, request_id)
     if req.stream:
-        opts = req.stream_options
+        include_usage, continuous_usage = usage_flags(req.stream_options)
         events = _stream(
             ctx,
             request_id,
@@ -63,8 +65,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             params.n,
             top,
             len(prompt_ids),
-            include_usage=bool(opts and opts.include_usage),
-            continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
+            include_usage,
+            continuous_usage,
         )
         return sse_response(events)
 
@@ -97,7 +99,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return JSONResponse(body.model_dump())
 
 
-async def _stream(
+def _stream(
     ctx: ServingContext,
     request_id: str,
     stream: AsyncIterator[RequestOutput],
@@ -107,32 +109,48 @@ async def _stream(
     include_usage: bool,
     continuous_usage: bool,
 ) -> AsyncIterator[str]:
-    chunks = ChatChunks(
-        request_id, int(time.time()), ctx.model_name, num_prompt_tokens, continuous_usage
+    """The request's SSE events: every choice's role first, then its text."""
+    events = partial(
+        _ChatEvents, request_id, ctx.model_name, num_prompt_tokens, continuous_usage, n, top
     )
-    # The first chunk of every choice carries the role, before any token is made.
-    for i in range(n):
-        yield chunks.role(i)
-    num_generated = 0
-    finished = [False] * n
-    async for out in stream:
-        for c in out.outputs:
-            if finished[c.index]:
-                continue
-            finished[c.index] = c.finish_reason is not None
-            if not (c.text or c.token_ids or finished[c.index]):
-                continue  # held-back text (a possible stop string): nothing to send yet
-            num_generated += len(c.token_ids)
-            # OpenAI's last chunk has an empty delta unless it still carries text.
-            content = c.text if c.text or not finished[c.index] else None
-            logprobs = None
-            if top is not None and c.logprobs is not None:
-                logprobs = chat_logprobs(c.token_ids, c.logprobs, top)
-            yield chunks.choice(
-                c.index, content, logprobs, c.finish_reason, stop_reason(c), num_generated
-            )
-    if include_usage:
-        yield chunks.usage(num_generated)
+    return stream_choices(events, [stream], n, include_usage)
+
+
+class _ChatEvents:
+    """The events of /v1/chat/completions (a `ChoiceEvents`): each choice opens with its
+    role, and a last event without text has an empty delta."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        num_prompt_tokens: int,
+        continuous_usage: bool,
+        n: int,
+        top: int | None,
+    ) -> None:
+        self._chunks = ChatChunks(
+            request_id, int(time.time()), model, num_prompt_tokens, continuous_usage
+        )
+        self._n = n
+        self._top = top
+
+    def openings(self) -> list[str]:
+        # The first chunk of every choice carries the role, before any token is made.
+        return [self._chunks.role(i) for i in range(self._n)]
+
+    def choice(self, index: int, text: str, output: CompletionOutput, num_generated: int) -> str:
+        # OpenAI's last chunk has an empty delta unless it still carries text.
+        content = text if text or output.finish_reason is None else None
+        logprobs = None
+        if self._top is not None and output.logprobs is not None:
+            logprobs = chat_logprobs(output.token_ids, output.logprobs, self._top)
+        return self._chunks.choice(
+            index, content, logprobs, output.finish_reason, stop_reason(output), num_generated
+        )
+
+    def usage(self, num_generated: int) -> str:
+        return self._chunks.usage(num_generated)
 
 
 def chat_logprobs(

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.outputs import Logprob, RequestOutput
+from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from conveyor.server.choice_stream import stream_choices, usage_flags
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import CompletionRequest
@@ -43,7 +45,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
     prompts = req.prompts()
     prompt_ids = [ctx.tokenize_prompt(p) for p in prompts]
     for ids in prompt_ids:  # every prompt is checked before any is queued
-        ctx.check_fits(ids, req.max_tokens, params, "prompt")
+        ctx.check_fits(ids, params, "prompt")
     echo_texts = None
     if req.echo:
         echo_texts = [
@@ -58,7 +60,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
     ]
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if req.stream:
-        opts = req.stream_options
+        include_usage, continuous_usage = usage_flags(req.stream_options)
         events = _stream(
             ctx,
             request_id,
@@ -67,8 +69,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
             req.logprobs,
             echo_texts,
             num_prompt_tokens,
-            include_usage=bool(opts and opts.include_usage),
-            continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
+            include_usage,
+            continuous_usage,
         )
         return sse_response(events)
 
@@ -106,7 +108,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
     return JSONResponse(body.model_dump())
 
 
-async def _stream(
+def _stream(
     ctx: ServingContext,
     request_id: str,
     streams: list[AsyncIterator[RequestOutput]],
@@ -117,37 +119,53 @@ async def _stream(
     include_usage: bool,
     continuous_usage: bool,
 ) -> AsyncIterator[str]:
-    chunks = CompletionChunks(
-        request_id, int(time.time()), ctx.model_name, num_prompt_tokens, continuous_usage
+    """The request's SSE events; choice `i * n + k` is sample k of prompt i."""
+    events = partial(
+        _CompletionEvents,
+        request_id,
+        ctx.model_name,
+        num_prompt_tokens,
+        continuous_usage,
+        len(streams) * n,
+        num_logprobs,
     )
-    num_choices = len(streams) * n
-    echoed = [echo_texts is None] * num_choices
-    finished = [False] * num_choices
-    offsets = [0] * num_choices  # text_offset of the next token, per choice
-    num_generated = 0
-    async for i, out in merge_streams(streams):
-        for c in out.outputs:
-            index = i * n + c.index
-            if finished[index]:
-                continue
-            text = c.text
-            if not echoed[index]:
-                text = echo_texts[i] + text  # type: ignore[index]
-                echoed[index] = True
-            finished[index] = c.finish_reason is not None
-            if not (text or c.token_ids or finished[index]):
-                continue  # held-back text (a possible stop string): nothing to send yet
-            num_generated += len(c.token_ids)
-            logprobs = None
-            if num_logprobs is not None and c.logprobs is not None:
-                logprobs, offsets[index] = completion_logprobs(
-                    c.token_ids, c.logprobs, num_logprobs, offsets[index]
-                )
-            yield chunks.choice(
-                index, text, logprobs, c.finish_reason, stop_reason(c), num_generated
+    return stream_choices(events, streams, n, include_usage, echo_texts)
+
+
+class _CompletionEvents:
+    """The events of /v1/completions (a `ChoiceEvents`): text as it comes, logprobs whose
+    text offsets run on over a choice's events."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        num_prompt_tokens: int,
+        continuous_usage: bool,
+        num_choices: int,
+        num_logprobs: int | None,
+    ) -> None:
+        self._chunks = CompletionChunks(
+            request_id, int(time.time()), model, num_prompt_tokens, continuous_usage
+        )
+        self._num_logprobs = num_logprobs
+        self._offsets = [0] * num_choices  # text_offset of the next token, per choice
+
+    def openings(self) -> tuple[str, ...]:
+        return ()
+
+    def choice(self, index: int, text: str, output: CompletionOutput, num_generated: int) -> str:
+        logprobs = None
+        if self._num_logprobs is not None and output.logprobs is not None:
+            logprobs, self._offsets[index] = completion_logprobs(
+                output.token_ids, output.logprobs, self._num_logprobs, self._offsets[index]
             )
-    if include_usage:
-        yield chunks.usage(num_generated)
+        return self._chunks.choice(
+            index, text, logprobs, output.finish_reason, stop_reason(output), num_generated
+        )
+
+    def usage(self, num_generated: int) -> str:
+        return self._chunks.usage(num_generated)
 
 
 def completion_logprobs(

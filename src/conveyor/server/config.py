@@ -9,13 +9,15 @@ need not appear in a process listing or a file.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conveyor.checkpoint import check_checkpoint
-from conveyor.config import EngineConfig
+from conveyor.engine.config import EngineConfig
+from conveyor.model.checkpoint import check_checkpoint
+from conveyor.validation import check_choice, check_int, check_number, check_positive_int
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -43,30 +45,20 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be a non-empty string, got {self.host!r}.")
-        port = self.port
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"port must be an integer in [1, 65535], got {port!r}.")
+        check_int("port", self.port, lo=1, hi=65535)
         for name in ("shutdown_timeout", "log_stats_interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}.")
-        if self.log_level not in LOG_LEVELS:
-            allowed = ", ".join(LOG_LEVELS)
-            raise ValueError(f"log_level must be one of {allowed}; got {self.log_level!r}.")
-        for name in ("max_waiting_requests", "max_n", "max_request_body_bytes"):
-            value = getattr(self, name)
-            if value is None and name == "max_waiting_requests":
-                continue  # sized to the KV cache by the engine
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        timeout = self.request_timeout
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not 0 < timeout < float("inf")
-        ):
-            raise ValueError(
-                f"request_timeout must be a positive number of seconds, got {timeout!r}."
+            check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0)
+        check_choice("log_level", self.log_level, LOG_LEVELS)
+        if self.max_waiting_requests is not None:  # None: sized to the KV cache by the engine
+            check_positive_int("max_waiting_requests", self.max_waiting_requests)
+        check_positive_int("max_n", self.max_n)
+        check_positive_int("max_request_body_bytes", self.max_request_body_bytes)
+        if self.request_timeout is not None:
+            check_number(
+                "request_timeout",
+                self.request_timeout,
+                "a positive, finite number of seconds",
+                lambda v: 0 < v < math.inf,
             )
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"engine_process must be true or false, got {self.engine_process!r}.")

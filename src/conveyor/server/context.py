@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.async_engine import AsyncLLM
+from conveyor.entrypoints.async_llm import AsyncLLM, PromptError
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import ChatMessage
@@ -67,11 +67,8 @@ class ServingContext:
             )
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a text or token-id prompt; an empty prompt is a 400."""
-        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        if not ids:
-            raise APIError("The prompt is empty: give at least one token.", param="prompt")
-        return ids
+        """Token ids of a text or token-id prompt (check_fits rejects an empty one)."""
+        return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
     def render_chat(
         self,
@@ -96,34 +93,17 @@ class ServingContext:
             message = f"The chat template failed on these messages: {exc}"
             raise APIError(message, param="messages") from exc
 
-    def check_fits(
-        self, prompt_ids: list[int], max_tokens: int | None, params: SamplingParams, what: str
-    ) -> None:
-        """400 unless the prompt can run: valid token ids, prompt plus max_tokens within the
-        model's context (vLLM's message), within the KV cache.
+    def check_fits(self, prompt_ids: list[int], params: SamplingParams, what: str) -> None:
+        """400 unless the prompt can run: the engine's check with strict=True, so a max_tokens
+        beyond the model's context is refused (as in vLLM), not clamped.
 
         Args:
             prompt_ids: the prompt.
-            max_tokens: requested output cap (None: whatever is left).
-            params: the request's sampling parameters.
-            what: "prompt" or "messages", for the message.
+            params: the request's sampling parameters (max_tokens as requested).
+            what: "prompt" or "messages": the `param` of an error about the prompt.
         """
-        limit = self.engine.max_model_len
-        n = len(prompt_ids)
-        if n >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {n} input tokens. Please reduce the length of the input {what}.",
-                param=what,
-            )
-        if max_tokens is not None and n + max_tokens > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the {what}, {max_tokens} in the completion). "
-                f"Please reduce the length of the {what} or completion.",
-                param="max_tokens",
-            )
         try:
-            self.engine.check_prompt(prompt_ids, params)
-        except ValueError as exc:
-            raise APIError(str(exc), param=what) from exc
+            self.engine.check_prompt(prompt_ids, params, strict=True)
+        except PromptError as exc:
+            param = what if exc.param == "prompt" else exc.param
+            raise APIError(str(exc), param=param) from exc

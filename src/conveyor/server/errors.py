@@ -23,7 +23,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from conveyor.async_engine import EngineNotRunningError, EngineOverloadedError, RequestFailedError
+from conveyor.entrypoints.async_llm import (
+    EngineNotRunningError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from conveyor.config import EngineConfig
+from conveyor.engine.config import EngineConfig
 from conveyor.server.config import ServerConfig
 
 if TYPE_CHECKING:  # imported in run_server, once the port is ours: they import torch
-    from conveyor.async_engine import AsyncLLM
+    from conveyor.entrypoints.async_llm import AsyncLLM
 
 logger = logging.getLogger("conveyor.server")
 
@@ -52,7 +52,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     # Bound first: a busy port fails in milliseconds, not after the model has loaded.
     sock = bind_socket(server_config.host, server_config.port)
     with sock:  # closed if anything below fails (uvicorn closes it as it stops, too)
-        from conveyor.async_engine import AsyncLLM
+        from conveyor.entrypoints.async_llm import AsyncLLM
         from conveyor.server.app import build_app
 
         engine = AsyncLLM.from_config(

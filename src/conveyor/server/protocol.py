@@ -141,7 +141,7 @@ class ChatMessage(OpenAIModel):
 
     def for_template(self) -> dict[str, Any]:
         """The message as `Tokenizer.apply_chat_template` takes it; that joins text parts and
-        maps role `developer` to `system` (`conveyor.tokenizer.chat_messages`)."""
+        maps role `developer` to `system` (`conveyor.engine.tokenizer.chat_messages`)."""
         return self.model_dump(exclude_none=True)
 
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from conveyor.outputs import CompletionOutput
+from conveyor.engine.outputs import CompletionOutput
 
 
 def stop_reason(c: CompletionOutput) -> int | str | None:

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from conveyor.outputs import RequestOutput
+from conveyor.engine.outputs import RequestOutput
 
 
 class EngineNotRunningError(RuntimeError):

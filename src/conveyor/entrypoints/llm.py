@@ -9,13 +9,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from conveyor.config import EngineConfig
-from conveyor.engine import LLMEngine
-from conveyor.outputs import RequestOutput
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
-Message = dict[str, Any]  # {"role": ..., "content": ...}, see conveyor.tokenizer.chat_messages
+# {"role": ..., "content": ...}, see conveyor.engine.tokenizer.chat_messages
+Message = dict[str, Any]
 
 
 class LLM:

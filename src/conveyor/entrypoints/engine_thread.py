@@ -21,30 +21,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from conveyor.engine import LLMEngine
-from conveyor.outputs import RequestOutput
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import RequestOutput
+from conveyor.entrypoints.engine_client import StepStats
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class StepStats:
-    """The scheduler's state after a step, for the metrics."""
-
-    num_tokens: int
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_preemptions: int
-    step_time_s: float = 0.0  # how long engine.step() ran; 0 when no step ran
-
-
 class EngineThread:
-    """Args:
+    """The in-process EngineClient: a daemon thread steps the engine.
+
+    Args:
     engine: the engine this thread owns once started.
     emit: called (in this thread) after every step and every applied batch of aborts.
     reject: called (in this thread) with a request id whose add raised ValueError.

@@ -28,22 +28,30 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from conveyor.config import EngineConfig
-from conveyor.engine import LLMEngine
-from conveyor.engine_process import EngineProcess
-from conveyor.engine_thread import EngineThread, StepStats
-from conveyor.metrics import EngineMetrics
-from conveyor.outputs import RequestOutput
-from conveyor.request_stream import (
+from conveyor.core.limits import PromptError
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.tokenizer import Tokenizer
+from conveyor.entrypoints.engine_client import EngineClient, StepStats
+from conveyor.entrypoints.engine_process import EngineProcess
+from conveyor.entrypoints.engine_thread import EngineThread
+from conveyor.entrypoints.metrics import EngineMetrics
+from conveyor.entrypoints.request_stream import (
     EngineNotRunningError,
     EngineOverloadedError,
     RequestFailedError,
     RequestStream,
 )
 from conveyor.sampling_params import SamplingParams
-from conveyor.tokenizer import Tokenizer
 
-__all__ = ["AsyncLLM", "EngineNotRunningError", "EngineOverloadedError", "RequestFailedError"]
+__all__ = [
+    "AsyncLLM",
+    "EngineNotRunningError",
+    "EngineOverloadedError",
+    "PromptError",
+    "RequestFailedError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +110,14 @@ class AsyncLLM:
             "reject": lambda request_id, exc: self._post(self._reject, request_id, exc),
             "on_dead": self._on_dead,
         }
-        self._core: EngineThread | EngineProcess
+        self._core: EngineClient
         self.engine: LLMEngine | None
         if engine_process:
             self.engine = None
-            self._core = EngineProcess(config, **callbacks)
-            self.model_path = self._core.info.model_path
-            self.limits = self._core.info.limits
+            process = EngineProcess(config, **callbacks)
+            self._core = process
+            self.model_path = process.info.model_path
+            self.limits = process.info.limits
             self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
         else:
             self.engine = LLMEngine(config)
@@ -201,9 +210,13 @@ class AsyncLLM:
                 f"(at most {self.max_waiting_requests}). Retry later."
             )
 
-    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if this prompt can never run (read-only; safe during a step)."""
-        self.limits.check(prompt_ids, params)
+    def check_prompt(
+        self, prompt_ids: list[int], params: SamplingParams, strict: bool = False
+    ) -> None:
+        """Raise PromptError (a ValueError) if this prompt can never run (read-only; safe
+        during a step). `strict`: a max_tokens beyond the context is an error, not clamped
+        (see core/limits.py)."""
+        self.limits.check(prompt_ids, params, strict)
 
     def generate(
         self,

@@ -15,17 +15,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
-from conveyor.checkpoint import check_checkpoint
-from conveyor.config import EngineConfig
-from conveyor.core.request import Request, RequestStatus
+from conveyor.core.limits import PromptLimits
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.output_state import OutputState, RequestState
+from conveyor.engine.outputs import RequestMetrics, RequestOutput
+from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from conveyor.model.checkpoint import check_checkpoint
 from conveyor.model.runner import ModelRunner
-from conveyor.outputs import RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
-from conveyor.sequence import ParentRequest, SequenceState
-from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -34,65 +34,16 @@ class InvalidTokenError(RuntimeError):
     """A request was sampled a token outside the vocabulary (its logits were not finite)."""
 
 
-@dataclass(frozen=True, slots=True)
-class PromptLimits:
-    """What a prompt must fit: the model's context, its vocabulary, the whole KV cache.
-
-    Plain numbers, so a process without the engine (the HTTP side of an engine process) can
-    check prompts before it queues them.
-    """
-
-    max_model_len: int
-    vocab_size: int
-    kv_capacity: int  # KV slots in the whole cache: num_kv_blocks * block_size
-
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Reject a prompt that can never run; return its output cap.
-
-        Returns:
-            max_tokens clamped to what the model's context leaves after the prompt.
-        Raises:
-            ValueError: an empty prompt, a token id outside the vocabulary, a prompt that
-                leaves no room in the context, or a request larger than the whole KV cache.
-        """
-        if not prompt_ids:
-            raise ValueError("The prompt is empty: give at least one token.")
-        vocab = self.vocab_size
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"Prompt token ids must be integers in [0, {vocab}); got {t!r}.")
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt has {n} tokens, leaving no room for output."
-            )
-        room = self.max_model_len - n
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        # The last sampled token never needs a KV slot: a sequence holds n + max_tokens - 1.
-        need = n + max_tokens - 1
-        if need > self.kv_capacity:
-            raise ValueError(
-                f"The request needs {need} KV cache slots (prompt {n} + max_tokens "
-                f"{max_tokens} - 1) but the whole KV cache holds {self.kv_capacity}; lower "
-                "max_tokens or the prompt length, or give the engine more KV blocks."
-            )
-        return max_tokens
-
-
 class LLMEngine:
     """The synchronous engine under `LLM` and `AsyncLLM`."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from conveyor.demo import demo_model_path
-
         self.config = config
         # The file checks first: a wrong folder is named before any weight is read.
         check_checkpoint(config.model, config.tokenizer)
-        model_path = str(config.model or demo_model_path())
-        self.model_path = model_path
-        self.runner = ModelRunner(config, model_path)
-        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_path)
+        self.runner = ModelRunner(config)  # model None: the runner builds the demo checkpoint
+        self.model_path = self.runner.model_path
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
         # Resolve what the checkpoint and the memory budget decide, then build the scheduler.
         config.num_kv_blocks = self.runner.num_kv_blocks
         config.max_model_len = self.runner.max_model_len
@@ -101,10 +52,10 @@ class LLMEngine:
         # What any prompt must fit (plain numbers: safe to read from another thread).
         kv_capacity = self.scheduler.block_manager.num_total_blocks * config.block_size
         self.limits = PromptLimits(self.max_model_len, self.runner.vocab_size, kv_capacity)
-        self._parents: dict[str, ParentRequest] = {}
-        self._seqs: dict[str, SequenceState] = {}
+        self._parents: dict[str, RequestState] = {}
+        self._seqs: dict[str, OutputState] = {}
         # What the current step scheduled (None until schedule() returned), for abort_step().
-        self._step_scheduled: list[Request] | None = None
+        self._step_scheduled: list[Sequence] | None = None
         self.last_step_num_tokens = 0  # tokens the latest step computed (prefill + decode)
 
     # ------------------------------------------------------------------ requests
@@ -140,7 +91,7 @@ class LLMEngine:
         max_tokens = self.check_prompt(prompt_ids, params)
         params = self.tokenizer.with_generation_eos(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        parent = ParentRequest(
+        parent = RequestState(
             request_id, prompt_text, prompt_ids, stream, delta, RequestMetrics(arrival)
         )
         for i in range(params.n):
@@ -149,7 +100,7 @@ class LLMEngine:
                 # Each of the n samples gets its own reproducible stream.
                 seq_params = dataclasses.replace(params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(
+            req = Sequence(
                 seq_id,
                 prompt_ids,
                 seq_params,
@@ -157,7 +108,7 @@ class LLMEngine:
                 eos_token_id=self.tokenizer.eos_token_id,
                 arrival_time=arrival,
             )
-            seq = SequenceState(
+            seq = OutputState(
                 req,
                 request_id,
                 i,
@@ -197,7 +148,7 @@ class LLMEngine:
                 if reason is not None and not s.request.is_finished:
                     s.request.abort_reason = reason
             self.scheduler.finish_requests(
-                [s.request.request_id for s in parent.seqs], RequestStatus.FINISHED_ABORTED
+                [s.request.request_id for s in parent.seqs], SequenceStatus.FINISHED_ABORTED
             )
             parent.metrics.finished_time = time.monotonic()
             outputs.append(parent.output())
@@ -223,9 +174,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._parents)
@@ -267,7 +215,7 @@ class LLMEngine:
                 outputs.append(self._fail(seq.parent_id, error))
         updated = self.scheduler.update_from_output(sched_out, tokens)  # skips failed ones
 
-        touched: dict[str, ParentRequest] = {}
+        touched: dict[str, RequestState] = {}
         decode = self.tokenizer.id_to_token_text
         for req in updated:
             seq = self._seqs.get(req.request_id)
@@ -277,7 +225,9 @@ class LLMEngine:
                 if req.fault is not None:  # its token-level stop check raised
                     raise req.fault
                 if seq.update(tokens[req.request_id], logprobs[req.request_id], decode):
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                    self.scheduler.finish_requests(
+                        [req.request_id], SequenceStatus.FINISHED_STOPPED
+                    )
             except Exception as exc:
                 touched.pop(seq.parent_id, None)
                 outputs.append(self._fail(seq.parent_id, exc))
@@ -317,12 +267,12 @@ class LLMEngine:
         Returns:
             its final output (finish_reason "abort"), with `error` set for the caller.
         """
-        logger.error("Request %s failed; the engine goes on without it.", request_id, exc_info=exc)
+        logger.error("Sequence %s failed; the engine goes on without it.", request_id, exc_info=exc)
         (out,) = self.abort_request(request_id)
         out.error = f"The engine failed while running this request ({type(exc).__name__})."
         return out
 
-    def _forget(self, parent: ParentRequest) -> None:
+    def _forget(self, parent: RequestState) -> None:
         del self._parents[parent.request_id]
         for s in parent.seqs:
             self._seqs.pop(s.request.request_id, None)

@@ -6,6 +6,8 @@
         │ emit / reject / on_dead                     EngineThread: step, step, ... ──┐
     reader thread ◄──────────────── outbox pipe ◄── ("step", outputs, stats, applied) ┘
 
+The messages on both pipes, and how outputs are packed for them, are in entrypoints/wire.py.
+
 Why a process: the HTTP side (parsing, SSE encoding, socket writes) and the engine's Python
 between torch ops share one GIL in one process. Every burst of streaming work after a step then
 stalls the engine until the burst ends; measured on 2 cores, a thread using a fifth of a core
@@ -33,10 +35,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from conveyor.config import EngineConfig
-from conveyor.engine import LLMEngine, PromptLimits
-from conveyor.engine_thread import EngineThread, StepStats
-from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.core.limits import PromptLimits
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import RequestOutput
+from conveyor.entrypoints.engine_client import StepStats
+from conveyor.entrypoints.engine_thread import EngineThread
+from conveyor.entrypoints.wire import EngineProcessError, pack_output, picklable, unpack_output
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,10 +54,6 @@ class EngineInfo:
     model_path: str
     limits: PromptLimits
     num_kv_blocks: int
-
-
-class EngineProcessError(RuntimeError):
-    """The engine process could not start, or it ended without being asked to."""
 
 
 class EngineProcess:
@@ -215,7 +216,7 @@ class EngineProcess:
 
 
 # -------------------------------------------------------------------- the child
-_CHILD_MAIN = "import sys; from conveyor.engine_process import main; main(sys.argv[1:])"
+_CHILD_MAIN = "import sys; from conveyor.entrypoints.engine_process import main; main(sys.argv[1:])"
 
 
 def main(argv: list[str]) -> None:
@@ -247,7 +248,7 @@ def run_engine_process(config: EngineConfig, commands: Connection, outbox: Conne
     try:
         engine = LLMEngine(config)
     except Exception as exc:
-        send(("failed", _picklable(exc)))
+        send(("failed", picklable(exc)))
         return
     info = EngineInfo(engine.model_path, engine.limits, engine.config.num_kv_blocks)
     send(("ready", info))
@@ -279,56 +280,3 @@ def run_engine_process(config: EngineConfig, commands: Connection, outbox: Conne
             thread.stop(command[1])
             break
     send(("stopped",))
-
-
-# -------------------------------------------------------------------- the wire format
-# Outputs cross the pipe as plain tuples: pickling the slotted dataclasses costs ~0.55 ms per
-# step of 64 outputs in the engine's thread (and ~0.35 ms to unpickle), tuples ~0.03 ms.
-# The prompt stays behind: AsyncLLM puts its own copy back into each output.
-
-
-def pack_output(out: RequestOutput) -> tuple[Any, ...]:
-    """A RequestOutput as nested tuples of plain values (prompt left out)."""
-    m = out.metrics
-    metrics = None
-    if m is not None:
-        metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time)
-    completions = [_pack_completion(c) for c in out.outputs]
-    return (out.request_id, completions, out.finished, out.error, metrics)
-
-
-def _pack_completion(c: CompletionOutput) -> tuple[Any, ...]:
-    logprobs = None
-    if c.logprobs is not None:
-        logprobs = [
-            {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items()}
-            for entry in c.logprobs
-        ]
-    return (
-        c.index, c.text, c.token_ids, c.cumulative_logprob, logprobs,
-        c.finish_reason, c.stop_reason, c.abort_reason,
-    )  # fmt: skip
-
-
-def unpack_output(packed: tuple[Any, ...]) -> RequestOutput:
-    """The RequestOutput `pack_output` packed, with prompt None and no prompt ids."""
-    request_id, completions, finished, error, metrics = packed
-    outputs = []
-    for index, text, ids, cumulative, logprobs, *ends in completions:
-        if logprobs is not None:
-            logprobs = [{t: Logprob(*lp) for t, lp in entry.items()} for entry in logprobs]
-        outputs.append(CompletionOutput(index, text, ids, cumulative, logprobs, *ends))
-    if metrics is not None:
-        metrics = RequestMetrics(*metrics)
-    return RequestOutput(request_id, None, [], outputs, finished, error, metrics)
-
-
-def _picklable(exc: Exception) -> Exception:
-    """The error itself if it crosses a pipe intact, else its text in a RuntimeError."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return EngineProcessError(f"{type(exc).__name__}: {exc}")
-    return exc

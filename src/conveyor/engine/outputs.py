@@ -33,9 +33,6 @@ class CompletionOutput:
     # Why the engine aborted it, e.g. "deadline exceeded: ..."; None unless it did.
     abort_reason: str | None = None
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass(slots=True)
 class RequestMetrics:

@@ -1,9 +1,9 @@
 """Engine-side output state of requests: text, logprobs and what was already reported.
 
-`LLMEngine` schedules `Request`s (core/); this module keeps, per generated sequence, what the
+`LLMEngine` schedules `Sequence`s (core/); this module keeps, per generated sequence, what the
 user sees: the incremental detokenizer's text, the logprob dicts, and for delta (streaming)
-outputs how much was handed out. A request with n > 1 is one `ParentRequest` with n
-`SequenceState`s, reported together in one `RequestOutput`.
+outputs how much was handed out. A request with n > 1 is one `RequestState` with n
+`OutputState`s, reported together in one `RequestOutput`.
 """
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conveyor.core.request import Request, RequestStatus
-from conveyor.model.sampler import TokenLogprobs
-from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from conveyor.tokenizer import IncrementalDetokenizer
+from conveyor.core.logprobs import TokenLogprobs
+from conveyor.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.engine.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)
-class SequenceState:
+class OutputState:
     """Output state of one generated sequence."""
 
-    request: Request
+    request: Sequence
     parent_id: str
     index: int
     detokenizer: IncrementalDetokenizer
@@ -52,12 +52,12 @@ class SequenceState:
         if lp is not None:
             self.add_logprobs(lp, decode)
         # eos / a stop token id ended it: like vLLM, its text is not part of the output.
-        stop_token = req.status == RequestStatus.FINISHED_STOPPED
+        stop_token = req.status == SequenceStatus.FINISHED_STOPPED
         stop = self.detokenizer.update([token_id], stop_terminated=stop_token)
         if stop is not None:
             req.stop_reason = stop
             if req.is_finished:  # the same token also hit eos or max_tokens: the stop string
-                req.status = RequestStatus.FINISHED_STOPPED  # decides
+                req.status = SequenceStatus.FINISHED_STOPPED  # decides
         self.text += self.detokenizer.get_delta(req.is_finished or stop is not None)
         return stop is not None and not req.is_finished
 
@@ -86,7 +86,7 @@ class SequenceState:
 
 
 @dataclass(slots=True)
-class ParentRequest:
+class RequestState:
     """A user request: its prompt, how it reports, and its n sequences."""
 
     request_id: str
@@ -95,7 +95,7 @@ class ParentRequest:
     stream: bool
     delta: bool
     metrics: RequestMetrics
-    seqs: list[SequenceState] = field(default_factory=list)
+    seqs: list[OutputState] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

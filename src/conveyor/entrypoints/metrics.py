@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from conveyor.outputs import RequestOutput
+    from conveyor.engine.outputs import RequestOutput
 
 logger = logging.getLogger("conveyor.stats")
 

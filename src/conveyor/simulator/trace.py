@@ -12,11 +12,12 @@ are required, empty CSV cells take the defaults):
     0.0,32,10,0,
     0.1,48,200,1,5.0
 
-Named workloads (`synthetic_trace`): output lengths from `exponential` (the guide's chat
-workload), `uniform` (between half and one and a half times the mean: similar lengths, the
-guide's little-gain case), `lognormal`, `bimodal` (80 % short, 20 % long) or `fixed`
+Named workloads (`synthetic_trace`): output lengths from `exponential` (chat-like traffic),
+`uniform` (between half and one and a half times the mean: similar lengths, where continuous
+batching gains little), `lognormal`, `bimodal` (80 % short, 20 % long) or `fixed`
 distributions, prompt lengths uniform, arrivals all at t = 0 (rate = inf) or a
-Poisson process; `guide-static` and `guide-continuous` are the guide's two worked examples.
+Poisson process; `guide-static` and `guide-continuous` are the two worked examples of
+docs/scheduling.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from conveyor.validation import check_int, check_number, check_positive_int
 
 WORKLOADS = ("exponential", "uniform", "lognormal", "bimodal", "fixed")
 GUIDE_WORKLOADS = ("guide-static", "guide-continuous")
@@ -60,24 +63,15 @@ class TraceRequest:
     request_id: str | None = None
 
     def __post_init__(self) -> None:
-        t = self.arrival_time
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-            raise ValueError(f"arrival_time must be a finite number >= 0, got {t!r}.")
-        for name in ("prompt_len", "output_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        check_number(
+            "arrival_time", self.arrival_time, ">= 0 and finite", lambda v: 0 <= v < math.inf
+        )
+        check_positive_int("prompt_len", self.prompt_len)
+        check_positive_int("output_len", self.output_len)
         if self.max_tokens is None:
             self.max_tokens = self.output_len
-        elif (
-            isinstance(self.max_tokens, bool)
-            or not isinstance(self.max_tokens, int)
-            or self.max_tokens < self.output_len
-        ):
-            raise ValueError(
-                f"max_tokens must be an integer >= output_len ({self.output_len}), "
-                f"got {self.max_tokens!r}."
-            )
+        else:
+            check_int("max_tokens", self.max_tokens, lo=self.output_len, hint="output_len")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TraceRequest)}
@@ -148,11 +142,11 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
 
 
 def guide_trace(name: str) -> list[TraceRequest]:
-    """The guide's worked examples, in units of one step (simulate them with a cost of 1 s).
+    """docs/scheduling.md's worked examples, in units of one step (simulate them at 1 s a step).
 
     `guide-static`: four requests of 10, 5, 8 and 12 tokens at t = 0. `guide-continuous`: the
-    same four, then 6 tokens arriving at t = 2 and 7 at t = 3 (waiting from steps 3 and 4, as
-    in the guide's timeline). Prompts are 4 tokens, computed in each request's first step.
+    same four, then 6 tokens arriving at t = 2 and 7 at t = 3 (waiting from steps 3 and 4).
+    Prompts are 4 tokens, computed in each request's first step.
     """
     lengths = [(0.0, 10), (0.0, 5), (0.0, 8), (0.0, 12)]
     if name == "guide-continuous":
@@ -172,7 +166,7 @@ def synthetic_trace(
     max_output: int = 1024,
     seed: int = 0,
 ) -> list[TraceRequest]:
-    """A seeded synthetic trace (or one of the guide's examples; then the rest is ignored).
+    """A seeded synthetic trace (or a docs/scheduling.md example; then the rest is ignored).
 
     Args:
         workload: one of WORKLOADS or GUIDE_WORKLOADS.
@@ -190,13 +184,11 @@ def synthetic_trace(
     if workload not in WORKLOADS:
         names = ", ".join(WORKLOADS + GUIDE_WORKLOADS)
         raise ValueError(f"unknown workload {workload!r}; choose one of {names}.")
-    if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1:
-        raise ValueError(f"num_requests must be a positive integer, got {num_requests!r}.")
+    check_positive_int("num_requests", num_requests)
     lo, hi = prompt_len
     if not 1 <= lo <= hi:
         raise ValueError(f"prompt_len must be (min, max) with 1 <= min <= max, got {prompt_len}.")
-    if not rate > 0:
-        raise ValueError(f"rate must be > 0 (inf: all at once), got {rate}.")
+    check_number("rate", rate, "> 0 (inf: all at once)", lambda v: v > 0)
     if not 1 <= mean_output <= max_output:
         raise ValueError(f"need 1 <= mean_output <= max_output, got {mean_output}, {max_output}.")
     rng = random.Random(seed)

@@ -9,8 +9,9 @@ them from memory and the checkpoint before it builds the scheduler.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
+
+from conveyor.validation import check_choice, check_int, check_number, check_positive_int
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
@@ -51,17 +52,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            _positive_int(name, getattr(self, name))
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(
-                f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}."
-            )
+            check_positive_int(name, getattr(self, name))
+        check_choice("block_size", self.block_size, (8, 16, 32, 64, 128))
         if self.num_kv_blocks is not None:
-            _positive_int("num_kv_blocks", self.num_kv_blocks)
+            check_positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:
-            _positive_int("max_model_len", self.max_model_len)
-        if self.kv_cache_space_gb is not None and not self.kv_cache_space_gb > 0:
-            raise ValueError(f"kv_cache_space_gb must be > 0, got {self.kv_cache_space_gb}.")
+            check_positive_int("max_model_len", self.max_model_len)
+        if self.kv_cache_space_gb is not None:
+            check_number("kv_cache_space_gb", self.kv_cache_space_gb, "> 0", lambda v: v > 0)
         # Here, not when the scheduler is built: that comes after the weights and the KV cache.
         # (Imported late: core/policies.py imports this module.)
         from conveyor.core.policies import available_policies
@@ -71,36 +69,20 @@ class EngineConfig:
                 f"unknown scheduler {self.scheduler!r}; choose one of: "
                 f"{', '.join(available_policies())}."
             )
-        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _choice("device", self.device, DEVICES)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
-        _number("aging_bound_s", self.aging_bound_s, "> 0 (inf turns aging off)", lambda v: v > 0)
-        _number(
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("device", self.device, DEVICES)
+        check_int("seed", self.seed)
+        check_number(
+            "aging_bound_s", self.aging_bound_s, "> 0 (inf turns aging off)", lambda v: v > 0
+        )
+        check_number(
             "preemption_threshold", self.preemption_threshold, "in (0, 1]", lambda v: 0 < v <= 1
         )
-        _number(
+        check_number(
             "preemption_cooldown_s",
             self.preemption_cooldown_s,
             ">= 0 and finite",
             lambda v: 0 <= v < math.inf,
         )
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-
-
-def _number(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number {allowed}, got {value!r}.")
-    if not ok(value):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}.")
-
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}.")

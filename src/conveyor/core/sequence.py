@@ -21,7 +21,7 @@ import time
 from conveyor.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.IntEnum):
+class SequenceStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -32,7 +32,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= SequenceStatus.FINISHED_STOPPED
 
     @property
     def finish_reason(self) -> str | None:
@@ -40,13 +40,13 @@ class RequestStatus(enum.IntEnum):
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
 }
 
 
-class Request:
+class Sequence:
     """A single sequence being generated (a request with n > 1 becomes n of these)."""
 
     __slots__ = (
@@ -93,7 +93,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        self.status = RequestStatus.WAITING
+        self.status = SequenceStatus.WAITING
         # The token id or stop string that ended the request, as vLLM reports it.
         self.stop_reason: int | str | None = None
         # Why the engine aborted it (e.g. its deadline passed); None for a caller's abort.
@@ -137,7 +137,7 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
-    def check_stop(self) -> RequestStatus | None:
+    def check_stop(self) -> SequenceStatus | None:
         """Token-level stop rules after a token was appended: eos, stop_token_ids, max_tokens.
 
         Stop *strings* need text and are checked by the detokenizer, outside core.
@@ -151,16 +151,16 @@ class Request:
         if n >= params.min_tokens:
             if last == self.eos_token_id and not params.ignore_eos:
                 self.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
+                return SequenceStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 self.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
+                return SequenceStatus.FINISHED_STOPPED
         if n >= self.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
+            return SequenceStatus.FINISHED_LENGTH
         return None
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"Sequence({self.request_id!r}, status={self.status.name}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens})"
         )

@@ -1,0 +1,1 @@
+"""`conveyor bench serve`: a streaming load client for a running server, like vLLM's."""
