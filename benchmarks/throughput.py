@@ -40,9 +40,11 @@ def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     return prompts, out_lens.tolist()
 
 
-def conveyor_runner(model: str, prompts, out_lens, batch_size: int, progress: bool = True):
+def conveyor_runner(
+    model: str, prompts, out_lens, batch_size: int, progress: bool = True, **engine_kwargs
+):
     """A function that runs the whole workload through LLM.generate and returns seconds."""
-    llm = LLM(model, max_num_seqs=batch_size, max_num_batched_tokens=2048, seed=0)
+    llm = LLM(model, max_num_seqs=batch_size, max_num_batched_tokens=2048, seed=0, **engine_kwargs)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
     llm.generate(prompts[:batch_size], params[:batch_size], use_tqdm=False)  # warm-up
 
@@ -116,6 +118,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="runs per side; the best counts")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--compare-linear-torch",
+        action="store_true",
+        help="also run conveyor with linear_backend='torch' (nn.Linear) against the default",
+    )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bars on stderr")
     args = p.parse_args(argv)
     progress = not args.disable_tqdm
@@ -124,6 +131,10 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = transformers.AutoConfig.from_pretrained(model).vocab_size
     prompts, out_lens = make_workload(args, vocab)
     runners = {"conveyor": conveyor_runner(model, prompts, out_lens, args.batch_size, progress)}
+    if args.compare_linear_torch:
+        runners["conveyor_linear_torch"] = conveyor_runner(
+            model, prompts, out_lens, args.batch_size, progress, linear_backend="torch"
+        )
     if not args.skip_transformers:
         runners["transformers_static"] = transformers_runner(
             model, prompts, out_lens, args.batch_size, progress
@@ -145,6 +156,12 @@ def main(argv: list[str] | None = None) -> dict:
         result["ratio_output_tokens_per_s"] = round(
             result["conveyor"]["output_tokens_per_s"]
             / result["transformers_static"]["output_tokens_per_s"],
+            2,
+        )
+    if args.compare_linear_torch:
+        result["ratio_default_to_linear_torch"] = round(
+            result["conveyor"]["output_tokens_per_s"]
+            / result["conveyor_linear_torch"]["output_tokens_per_s"],
             2,
         )
     print(json.dumps(result, indent=2))

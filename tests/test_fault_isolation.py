@@ -124,19 +124,18 @@ def test_a_faulty_request_fails_alone_and_the_batch_goes_on(
 def test_kv_cache_far_too_small_preempts_and_every_request_ends(demo_model_dir) -> None:
     # 6 blocks of 16 slots; 12 requests that each end up needing 3 of them.
     prompts = [f"Sequence {i} says" for i in range(12)]
-    params = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True, logprobs=2)
     roomy = LLM(str(demo_model_dir), num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
 
-    async def run() -> list[tuple[str, str | None, int]]:
+    async def run() -> list[tuple[list[int], str | None, int]]:
         llm = AsyncLLM(str(demo_model_dir), num_kv_blocks=6, log_stats_interval_s=0)
 
-        async def one(prompt: str) -> tuple[str, str | None, int]:
-            text, finish, n = "", None, 0
+        async def one(prompt: str) -> tuple[list[int], str | None, int]:
+            ids, finish = [], None
             async for out in llm.generate(prompt, params):
-                text += out.outputs[0].text
-                n += len(out.outputs[0].token_ids)
+                ids += out.outputs[0].token_ids
                 finish = out.outputs[0].finish_reason
-            return text, finish, n
+            return ids, finish, len(ids)
 
         results = await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 300)
         await _until_idle(llm)
@@ -145,4 +144,15 @@ def test_kv_cache_far_too_small_preempts_and_every_request_ends(demo_model_dir) 
         return results
 
     results = asyncio.run(run())
-    assert results == [(o.outputs[0].text, "length", 36) for o in roomy]
+    assert [r[1:] for r in results] == [("length", 36)] * len(prompts)
+    # Recompute after preemption reruns generated tokens as prefill, whose attention sums in
+    # another order than decode's: exact tokens, except that a random-weight model may flip
+    # a near-tie (top-2 logprobs within 1e-4 in the uninterrupted run), after which the two
+    # continuations are different texts.
+    for (ids, _, _), ref in zip(results, roomy, strict=True):
+        ref_ids = ref.outputs[0].token_ids
+        k = next((i for i, (a, b) in enumerate(zip(ids, ref_ids, strict=True)) if a != b), None)
+        if k is not None:
+            top = ref.outputs[0].logprobs[k]
+            assert ids[k] in top and ref_ids[k] in top, (k, top)
+            assert abs(top[ids[k]].logprob - top[ref_ids[k]].logprob) < 1e-4, (k, top)

@@ -35,3 +35,22 @@ def test_throughput_benchmark_prints_both_sides_and_their_ratio(demo_model_dir, 
         / result["transformers_static"]["output_tokens_per_s"]
     )
     assert abs(result["ratio_output_tokens_per_s"] - expected) < 0.01
+
+
+def test_throughput_benchmark_compares_the_linear_backends(demo_model_dir, capsys):
+    result = throughput.main(
+        [
+            "--model", str(demo_model_dir), "--num-requests", "4", "--batch-size", "2",
+            "--min-prompt", "4", "--max-prompt", "8", "--mean-output", "3", "--repeats", "1",
+            "--skip-transformers", "--compare-linear-torch", "--disable-tqdm",
+        ]
+    )  # fmt: skip
+    assert json.loads(capsys.readouterr().out) == result
+    assert "transformers_static" not in result
+    same = result["conveyor_linear_torch"]["output_tokens"] == result["conveyor"]["output_tokens"]
+    assert same
+    expected = (
+        result["conveyor"]["output_tokens_per_s"]
+        / result["conveyor_linear_torch"]["output_tokens_per_s"]
+    )
+    assert abs(result["ratio_default_to_linear_torch"] - expected) < 0.01

@@ -102,6 +102,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--dtype", help="auto, float32, float16 or bfloat16")
     add("--device", help="auto, cpu or cuda")
     add("--attention-backend", metavar="NAME", help="auto, torch or triton")
+    add("--linear-backend", metavar="NAME", help="GEMMs: auto, onednn (prepacked) or torch")
     add("--kv-cache-dtype", metavar="DTYPE", help="auto (the model's) or int8 (~2x the blocks)")
     add("--seed", type=int, help="engine seed for requests without their own")
     add("--aging-bound-s", type=float, metavar="S", help="sjf family: aging bound (10; inf: off)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from conveyor.validation import check_choice, check_int, check_number, check_positive_int
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -33,6 +34,9 @@ class EngineConfig:
     kv_cache_space_gb: float | None = None
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    # GEMMs: "onednn" (weights prepacked once for oneDNN; the default on CPU in float32),
+    # "torch" (nn.Linear), or "auto" (onednn where it runs, else torch). model/linear.py.
+    linear_backend: str = "auto"
     dtype: str = "auto"
     # "int8": K/V stored as int8 with a scale per token and head, about half of fp16's bytes,
     # so about twice the blocks for the same kv_cache_space_gb.
@@ -70,6 +74,7 @@ class EngineConfig:
                 f"{', '.join(available_policies())}."
             )
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("device", self.device, DEVICES)

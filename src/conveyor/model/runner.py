@@ -32,6 +32,7 @@ from conveyor.model.kv_cache import (
     kv_cache_bytes_per_block,
     kv_cache_memory_error,
 )
+from conveyor.model.linear import pack_linears, resolve_linear_backend
 from conveyor.model.llama import ModelConfig
 from conveyor.model.loader import (
     load_model,
@@ -106,6 +107,9 @@ class ModelRunner:
         self.model = load_model(
             model_path, self.dtype, self.device, attention_backend=config.attention_backend
         )
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
+        if self.linear_backend == "onednn":
+            pack_linears(self.model)
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self._check_kv_cache_fits(bytes_per_block, config)  # again: the weights took some
