@@ -32,11 +32,14 @@ The built-in policies (knobs are EngineConfig fields):
                     batch or the KV cache is full
     static          the baseline: a batch of up to max_num_seqs requests is formed in arrival
                     order and nobody joins until its last member ends
-Preemption is always by recompute, so it never changes a request's output.
+Preemption is always by recompute, so it does not change a request's output (up to fp32
+rounding of near-ties: recompute runs prefill attention where the first pass ran decode).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections import abc
@@ -79,6 +82,28 @@ class SchedulingPolicy(ABC):
             The requests to try to admit, in order; the scheduler stops at the first one
             that does not fit. Requests left out stay waiting.
         """
+
+    def admission_candidates(
+        self,
+        waiting: abc.Sequence[Sequence],
+        now: float,
+        running: abc.Sequence[Sequence],
+        limit: int,
+    ) -> abc.Sequence[Sequence]:
+        """At least the first `limit` requests of `order_waiting` (all, if fewer), in order.
+
+        What the scheduler admits from; it never looks past the first `limit`. Policies
+        override it to avoid ordering the whole queue every step.
+        """
+        return self.order_waiting(waiting, now, running)
+
+    def on_enqueue(self, req: Sequence, pos: int) -> None:
+        """The scheduler put `req` into `waiting` (at queue position `pos`).
+
+        Positions are unique and the waiting queue is always in ascending position order,
+        so a policy may keep its own index of the queue. Ignored by default.
+        """
+        del req, pos
 
     def select_victim(self, running: list[Sequence]) -> Sequence:
         """The running request to preempt (recompute) when blocks run out.
@@ -219,6 +244,59 @@ class FifoPolicy(SchedulingPolicy):
     ) -> list[Sequence]:
         return list(waiting)
 
+    def admission_candidates(
+        self,
+        waiting: abc.Sequence[Sequence],
+        now: float,
+        running: abc.Sequence[Sequence],
+        limit: int,
+    ) -> abc.Sequence[Sequence]:
+        return list(itertools.islice(waiting, max(limit, 0)))
+
+
+_WAITING_STATES = (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+
+
+class _KeyedQueue:
+    """The scheduler's waiting queue indexed by a key that does not change while a request
+    waits: a heap of (key, queue position, request), removed lazily.
+
+    An entry is live while its request is still waiting (status WAITING or PREEMPTED) and
+    it is the request's latest entry (a re-queued request gets a new one). Every request in
+    the scheduler's `waiting` has exactly one live entry, so the live entries in heap order
+    are `sorted(waiting, key=key)`: the sort is stable and `waiting` is in position order,
+    which is the entries' tie-breaker.
+    """
+
+    def __init__(self, key: Callable[[Sequence], object]) -> None:
+        self.key = key
+        self.heap: list[tuple[object, int, Sequence]] = []
+        self.latest: dict[str, int] = {}
+
+    def push(self, req: Sequence, pos: int) -> None:
+        self.latest[req.request_id] = pos
+        heapq.heappush(self.heap, (self.key(req), pos, req))
+        if len(self.heap) > 2 * len(self.latest) + 64:  # too many dead entries: compact
+            self.heap = [e for e in self.heap if self._live(e)]
+            heapq.heapify(self.heap)
+
+    def _live(self, entry: tuple[object, int, Sequence]) -> bool:
+        req = entry[2]
+        return req.status in _WAITING_STATES and self.latest.get(req.request_id) == entry[1]
+
+    def head(self, k: int) -> list[Sequence]:
+        """The first `k` waiting requests in key order, O(k log n) plus dead entries."""
+        heap, out = self.heap, []
+        while heap and len(out) < k:
+            entry = heapq.heappop(heap)
+            if self._live(entry):
+                out.append(entry)
+            elif self.latest.get(entry[2].request_id) == entry[1]:
+                del self.latest[entry[2].request_id]  # its request left the queue
+        for entry in out:
+            heapq.heappush(heap, entry)
+        return [e[2] for e in out]
+
 
 @register_policy
 class PriorityPolicy(SchedulingPolicy):
@@ -232,6 +310,27 @@ class PriorityPolicy(SchedulingPolicy):
 
     name = "priority"
 
+    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
+        super().__init__(config, block_manager)
+        # Fed by the scheduler (on_enqueue); None while the policy is used on its own.
+        self._queue: _KeyedQueue | None = None
+
+    def on_enqueue(self, req: Sequence, pos: int) -> None:
+        if self._queue is None:
+            self._queue = _KeyedQueue(priority_key)
+        self._queue.push(req, pos)
+
+    def admission_candidates(
+        self,
+        waiting: abc.Sequence[Sequence],
+        now: float,
+        running: abc.Sequence[Sequence],
+        limit: int,
+    ) -> abc.Sequence[Sequence]:
+        if self._queue is None:
+            return self.order_waiting(waiting, now, running)
+        return self._queue.head(max(limit, 0))
+
     def order_waiting(
         self, waiting: abc.Sequence[Sequence], now: float, running: abc.Sequence[Sequence] = ()
     ) -> list[Sequence]:
@@ -244,12 +343,23 @@ class PriorityPolicy(SchedulingPolicy):
     def select_preemptions(
         self, running: abc.Sequence[Sequence], waiting: abc.Sequence[Sequence], now: float
     ) -> list[Sequence]:
-        best = min(r.sampling_params.priority for r in waiting)
+        queue = self._queue
+        if queue is None:
+            best = min(r.sampling_params.priority for r in waiting)
+        else:  # the head of priority order has the smallest priority value
+            best = queue.head(1)[0].sampling_params.priority
         if best >= max(r.sampling_params.priority for r in running):
-            return []  # Nobody waiting outranks anybody running: the common case, O(n).
+            return []  # Nobody waiting outranks anybody running: the common case.
         victims = sorted(reversed(running), key=priority_key, reverse=True)
+        if queue is None:
+            candidates = self.order_waiting(waiting, now)
+        else:
+            # _plan_preemptions passes a candidate only for a seat, and there are at most
+            # max_num_seqs seats (free ones plus every running victim); it stops at the next
+            # candidate, so it never reads past the first max_num_seqs + 1.
+            candidates = queue.head(self.max_num_seqs + 1)
         return self._plan_preemptions(
-            self.order_waiting(waiting, now), victims, running, lambda c, v: c.priority < v.priority
+            candidates, victims, running, lambda c, v: c.priority < v.priority
         )
 
 

@@ -70,6 +70,10 @@ class Scheduler:
         # dropped lazily when they reach the top.
         self._deadlines: list[tuple[float, int, Sequence]] = []
         self._deadline_seq = itertools.count()
+        # Queue positions handed to the policy (on_enqueue): the back counts up, the front
+        # down, so `waiting` is always in ascending position order (removals keep order).
+        self._back_pos = itertools.count()
+        self._front_pos = itertools.count(1)
 
     @property
     def num_waiting(self) -> int:
@@ -104,6 +108,7 @@ class Scheduler:
         request.status = SequenceStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.policy.on_enqueue(request, next(self._back_pos))
         deadline_at = request.deadline_at
         if deadline_at != math.inf:
             heapq.heappush(self._deadlines, (deadline_at, next(self._deadline_seq), request))
@@ -199,7 +204,11 @@ class Scheduler:
         """Admit waiting requests in policy order, except `skip` ids; returns the budget left."""
         running = self.running
         admitted: list[Sequence] = []
-        for req in self.policy.order_waiting(self.waiting, now, running):
+        # The loop below consumes at most `seats + len(skip)` candidates: each one is either
+        # skipped (a `skip` id, each in waiting once), admitted (taking a seat) or ends it.
+        # So the policy's first that many in admission order give the same admissions.
+        limit = self.max_num_seqs - len(running) + len(skip)
+        for req in self.policy.admission_candidates(self.waiting, now, running, limit):
             if budget <= 0 or len(running) >= self.max_num_seqs:
                 break
             if req.request_id in skip:
@@ -251,6 +260,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        self.policy.on_enqueue(req, -next(self._front_pos))
         preempted_ids.append(req.request_id)
 
     def update_from_output(
