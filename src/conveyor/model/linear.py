@@ -50,8 +50,6 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
