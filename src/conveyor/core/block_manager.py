@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 
 from conveyor.core.sequence import Sequence
+from conveyor.validation import check_positive_int
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,9 +47,8 @@ class BlockManager:
         num_blocks: physical KV blocks in the cache.
         block_size: token slots per block.
         """
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        check_positive_int("num_blocks", num_blocks)
+        check_positive_int("block_size", block_size)
         self.block_size = block_size
         self._num_blocks = num_blocks
         # Read-only outside this class (tests and metrics look at them).
