@@ -104,10 +104,11 @@ class ModelRunner:
             most = config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
             self.num_kv_blocks = max(1, min(budget // bytes_per_block, most))
         self._check_kv_cache_fits(bytes_per_block, config)
+        # Before the weights load, so an impossible choice is reported at once.
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         self.model = load_model(
             model_path, self.dtype, self.device, attention_backend=config.attention_backend
         )
-        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             pack_linears(self.model)
         mcfg = self.model.config
