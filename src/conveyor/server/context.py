@@ -89,7 +89,9 @@ class ServingContext:
                 add_generation_prompt=add_generation_prompt,
                 **(template_kwargs or {}),
             )
-        except Exception as exc:  # a template that rejects these messages (raise_exception)
+        except ValueError as exc:  # a malformed message, or the template refused them
+            raise APIError(str(exc), param="messages") from exc
+        except Exception as exc:  # anything else the template raised while rendering
             message = f"The chat template failed on these messages: {exc}"
             raise APIError(message, param="messages") from exc
 
