@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 MULTIBYTE_TEXT = "Café naïve 😀🎉 résumé Ångström 日本語 👍🏽 façade"
 
@@ -134,6 +134,32 @@ def test_earliest_of_several_stop_strings_wins(tok: Tokenizer) -> None:
     for stop in stops:
         assert_stop_never_leaks(deltas, stop)
     assert "".join(deltas) == detok.output_text
+
+
+def test_many_stop_strings_match_as_a_full_search_would(tok: Tokenizer) -> None:
+    # The per-token check only tries stop strings ending in a new character; the outcome must
+    # be a full search's after each token: at the first token that completes any match, the
+    # earliest match, and at one position the stop string given first.
+    rng = random.Random(0)
+    text = "Hello world! The quick brown fox jumps over the lazy dog. " * 3  # ASCII
+    ids = tok.encode(text, add_special_tokens=False)
+    prefixes = [tok.decode(ids[: k + 1]) for k in range(len(ids))]
+    words = text.split()
+    for _ in range(30):
+        stops = [f"{w}#{i}" for i, w in enumerate(rng.sample(words, 8))]  # never match
+        for _ in range(rng.randint(1, 6)):
+            start = rng.randrange(len(text) - 8)
+            stops.append(text[start : start + rng.randint(1, 8)])
+        rng.shuffle(stops)
+        stops = list(dict.fromkeys(stops))[:MAX_STOP_STRINGS]
+        seen = next(p for p in prefixes if any(s in p for s in stops))
+        found = {s: seen.find(s) for s in stops if s in seen}
+        first = min(found.values())
+        expected = next(s for s in stops if found.get(s) == first)
+        detok, deltas, _ = stream(tok, ids, SamplingParams(stop=stops))
+        assert detok.stop_string == expected, stops
+        assert detok.output_text == text[:first]
+        assert "".join(deltas) == detok.output_text
 
 
 def test_stop_string_in_multibyte_text_never_leaks(tok: Tokenizer) -> None:

@@ -111,8 +111,18 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--max-waiting-requests", type=int, metavar="N", help="waiting sequences before 503 "
         "(default: one per KV block)")  # fmt: skip
     add("--max-n", type=int, metavar="N", help="largest n one request may ask for (16)")
+    add("--max-prompts-per-request", type=int, metavar="N", help="prompts one completions "
+        "request may hold (256)")  # fmt: skip
     add("--max-request-body-bytes", type=int, metavar="B", help="larger bodies get 413 (10 MiB)")
+    add("--max-header-bytes", type=int, metavar="B", help="request line + headers; larger "
+        "ones get 431 (64 KiB)")  # fmt: skip
     add("--request-timeout", type=float, metavar="S", help="abort requests after S s (no limit)")
+    add("--engine-stall-timeout", type=float, metavar="S", help="an engine with work but no "
+        "step for S s is hung: /health 503, its requests fail (120; 0: off)")  # fmt: skip
+    add("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=None,
+        help="let requests bring their own chat template (off: such requests get 400)")  # fmt: skip
+    add("--metrics-require-api-key", action=argparse.BooleanOptionalAction, default=None,
+        help="with --api-key, /metrics needs the key too (default: open)")  # fmt: skip
     add("--shutdown-timeout", type=float, metavar="S", help="grace period on SIGTERM (10)")
     add("--engine-process", action=argparse.BooleanOptionalAction, default=None,
         help="the engine in its own process (default) or a thread")  # fmt: skip

@@ -12,6 +12,11 @@ from conveyor.validation import check_int, check_number
 
 # Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
+# Stop strings are checked in the shared engine step, for every new token of the request, so
+# their number and length are bounded (OpenAI allows 4; these are generous). The longest one
+# is also how much text a stream holds back until it knows no stop string starts there.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
 
 
 @dataclass(slots=True)
@@ -70,7 +75,9 @@ class SamplingParams:
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
-        check_number("temperature", self.temperature, ">= 0", lambda v: v >= 0)
+        check_number(
+            "temperature", self.temperature, ">= 0 and finite", lambda v: 0 <= v < float("inf")
+        )
         check_number("top_p", self.top_p, "in (0, 1]", lambda v: 0.0 < v <= 1.0)
         check_int("top_k", self.top_k, lo=-1, hint="-1 or 0 disables top-k")
         check_number("min_p", self.min_p, "in [0, 1]", lambda v: 0.0 <= v <= 1.0)
@@ -96,9 +103,18 @@ class SamplingParams:
             )
         if self.length_hint is not None:
             check_int("length_hint", self.length_hint, lo=1)
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop_strings)}."
+            )
         for s in self.stop_strings:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}.")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop must be strings of at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"got one of {len(s)}."
+                )
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")

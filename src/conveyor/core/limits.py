@@ -22,8 +22,8 @@ EMPTY_PROMPT = "The prompt is empty: give at least one token."
 class PromptError(ValueError):
     """A prompt that can never run.
 
-    `param` is the request field at fault: "prompt", or "max_tokens" (a strict check's
-    output cap beyond the context). It has a default so the error survives pickling.
+    `param` is the request field at fault: "prompt", or "max_tokens" / "min_tokens" (a strict
+    check's output bounds beyond the context). It has a default so the error survives pickling.
     """
 
     def __init__(self, message: str, param: str = "prompt") -> None:
@@ -71,9 +71,9 @@ class PromptLimits:
 
         Args:
             prompt_ids: the prompt.
-            params: its sampling parameters (only `max_tokens` is read).
-            strict: a `max_tokens` beyond what the context leaves is an error (the OpenAI
-                server's rule, as in vLLM) instead of being clamped.
+            params: its sampling parameters (`max_tokens`, and `min_tokens` if strict).
+            strict: a `max_tokens` or `min_tokens` beyond what the context leaves is an error
+                (the OpenAI server's rule, as in vLLM) instead of being clamped.
         Returns:
             max_tokens clamped to what the model's context leaves after the prompt.
         Raises:
@@ -102,6 +102,13 @@ class PromptLimits:
                 f"{n + requested} tokens ({n} in the prompt, {requested} in the completion). "
                 "Please reduce the length of the prompt or completion.",
                 param="max_tokens",
+            )
+        if strict and params.min_tokens > room:
+            raise PromptError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"min_tokens={params.min_tokens} with a {n}-token prompt, which leaves room for "
+                f"{room}. Please reduce min_tokens or the length of the prompt.",
+                param="min_tokens",
             )
         check_kv_fits(n, max_tokens, self.kv_capacity)
         return max_tokens

@@ -94,14 +94,15 @@ class Tokenizer:
         Args:
             messages: [{"role": ..., "content": ...}, ...], as `chat_messages` takes them.
             add_generation_prompt: end with the assistant turn's header.
-            kwargs: extra variables for the template.
+            kwargs: extra variables for the template; `chat_template` replaces the
+                tokenizer's own template.
         Returns:
             Prompt token ids.
         Raises:
             ValueError: no chat template, a malformed message (named), or the template
                 raised an error.
         """
-        if not self.has_chat_template:
+        if not self.has_chat_template and kwargs.get("chat_template") is None:
             raise ValueError(
                 "This model's tokenizer has no chat template, so chat messages cannot be "
                 "turned into a prompt; use the completions API with a plain prompt instead."
@@ -211,6 +212,11 @@ class IncrementalDetokenizer:
         self.params = params
         self.stop_strings = list(params.stop_strings)
         self._hold = max((len(s) for s in self.stop_strings), default=1) - 1
+        # A new match ends in the new text, so only stop strings whose last character is in
+        # it can match: the per-token check looks at those alone (in the order given).
+        self._stops_by_last_char: dict[str, list[tuple[int, str]]] = {}
+        for order, stop in enumerate(self.stop_strings):
+            self._stops_by_last_char.setdefault(stop[-1], []).append((order, stop))
         self._skip = params.skip_special_tokens
         self._ids: list[int] = []  # context tokens + every output token fed so far
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -329,9 +335,12 @@ class IncrementalDetokenizer:
         ):
             return None
         text = self._text
+        by_last = self._stops_by_last_char
+        candidates = {c for ch in set(text[before:]) for c in by_last.get(ch, ())}
         best = -1
         best_stop = ""
-        for stop in self.stop_strings:
+        # The earliest match wins; at one position, the stop string given first.
+        for _, stop in sorted(candidates):
             idx = text.find(stop, max(0, before - len(stop) + 1))
             if idx != -1 and (best == -1 or idx < best):
                 best, best_stop = idx, stop

@@ -11,15 +11,19 @@ serves HTTP and streams the previous step's deltas. Only that thread changes the
 callers here make read-only checks (tokenizer, `check_prompt`, queue lengths), so requests
 join and leave between steps. A fault of one request fails only it; an exception of a whole
 step fails the requests that step scheduled; only an error that recovery cannot handle makes
-the engine dead (`check_health` raises). `check_admission` refuses new work (HTTP 503) while
-more than `max_waiting_requests` sequences wait. With `engine_process=True` the same thread
-runs in a child process (engine_process.py) and its reports arrive through a pipe.
+the engine dead (`check_health` raises, `dead` is True). An engine that makes no step for
+`engine_stall_timeout_s` while requests are in flight is hung (heartbeat.py): a watchdog ends
+those requests with EngineNotRunningError, and `check_health` raises until it steps again.
+`check_admission` refuses new work (HTTP 503) while more than `max_waiting_requests` sequences
+wait. With `engine_process=True` the same thread runs in a child process (engine_process.py)
+and its reports arrive through a pipe.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -36,6 +40,7 @@ from conveyor.engine.tokenizer import Tokenizer
 from conveyor.entrypoints.engine_client import EngineClient, StepStats
 from conveyor.entrypoints.engine_process import EngineProcess
 from conveyor.entrypoints.engine_thread import EngineThread
+from conveyor.entrypoints.heartbeat import Heartbeat
 from conveyor.entrypoints.metrics import EngineMetrics
 from conveyor.entrypoints.request_stream import (
     EngineNotRunningError,
@@ -87,6 +92,8 @@ class AsyncLLM:
         engine_process: run the engine in a child process (EngineProcess) instead of a
             thread of this one, so that streaming work here never holds up a step through
             the GIL (`conveyor serve` does). `engine` is then None.
+        engine_stall_timeout_s: seconds the engine may make no step while requests are in
+            flight before it counts as hung (None: never).
         **kwargs: any EngineConfig field, as for `LLM`.
     """
 
@@ -99,6 +106,7 @@ class AsyncLLM:
         log_stats_interval_s: float = 5.0,
         max_waiting_requests: int | None = None,
         engine_process: bool = False,
+        engine_stall_timeout_s: float | None = None,
         **kwargs: Any,
     ) -> None:
         if config is None:
@@ -140,6 +148,8 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._stopping = False
         self._ids = itertools.count()
+        self._heartbeat = Heartbeat(engine_stall_timeout_s)
+        self._watchdog: asyncio.Task[None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
@@ -157,6 +167,13 @@ class AsyncLLM:
         if not self._core.started and not self._stopping:
             self._loop = asyncio.get_running_loop()
             self._core.start()
+            if self._heartbeat.timeout_s is not None:
+                self._watchdog = self._loop.create_task(self._watch())
+
+    @property
+    def dead(self) -> bool:
+        """The engine failed for good (its process died, or its thread ended on an error)."""
+        return self._dead is not None
 
     def check_health(self) -> None:
         """Raise EngineNotRunningError unless the loop can serve requests."""
@@ -164,6 +181,8 @@ class AsyncLLM:
             raise EngineNotRunningError(f"The engine failed and stopped: {self._dead!r}")
         if self._stopping:
             raise EngineNotRunningError("The server is shutting down.")
+        if self._heartbeat.hung is not None:
+            raise EngineNotRunningError(self._heartbeat.hung)
         if self._core.started and not self._core.alive:
             raise EngineNotRunningError("The engine loop has stopped.")
 
@@ -176,8 +195,13 @@ class AsyncLLM:
         """Abort every request (their streams end with finish_reason "abort"), stop the
         engine thread."""
         self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         # The thread emits the aborts before it ends; they reach the loop before this await.
-        await asyncio.get_running_loop().run_in_executor(None, self._core.stop, _SHUTDOWN_REASON)
+        # A hung engine gets a moment only: it would not answer.
+        timeout = 2.0 if self._heartbeat.hung is not None else 60.0
+        stop = functools.partial(self._core.stop, _SHUTDOWN_REASON, timeout)
+        await asyncio.get_running_loop().run_in_executor(None, stop)
         await asyncio.sleep(0)
         self._fail_all(EngineNotRunningError("The engine has shut down."))
 
@@ -251,6 +275,8 @@ class AsyncLLM:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use.")
+        if not self._streams:  # work arrives at an idle engine: its silence counts from now
+            self._heartbeat.beat(time.monotonic())
         if isinstance(prompt, str):
             ids = list(prompt_token_ids or self.tokenizer.encode(prompt))
         else:
@@ -298,6 +324,9 @@ class AsyncLLM:
     def _on_step(self, outputs: list[RequestOutput], stats: StepStats) -> None:
         """Hand one step's deltas to their streams and account them."""
         now = time.monotonic()
+        if self._heartbeat.hung is not None:
+            logger.warning("The engine steps again: it is healthy.")
+        self._heartbeat.beat(now)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -320,3 +349,20 @@ class AsyncLLM:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.queue.put_nowait(exc)
+
+    async def _watch(self) -> None:
+        """The watchdog: end the in-flight requests of a hung engine (see heartbeat.py)."""
+        heartbeat = self._heartbeat
+        while True:
+            await asyncio.sleep(heartbeat.poll_interval_s)
+            if not heartbeat.check(time.monotonic(), len(self._streams)):
+                continue
+            logger.error(
+                "%s Ending its in-flight requests with an error; /health answers 503 until it "
+                "steps again.",
+                heartbeat.hung,
+            )
+            ids = list(self._streams)
+            self._fail_all(EngineNotRunningError(heartbeat.hung))
+            for request_id in ids:  # if it ever resumes, it frees their blocks
+                self._core.abort(request_id)

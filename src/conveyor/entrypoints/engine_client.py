@@ -69,7 +69,7 @@ class EngineClient(Protocol):
         """From `when` (time.monotonic) on, abort every request with `reason`."""
         ...
 
-    def stop(self, final_reason: str | None = None) -> None:
+    def stop(self, final_reason: str | None = None, timeout_s: float | None = None) -> None:
         """Blocking: end the current step, abort what is left with `final_reason`, emit it,
-        and stop."""
+        and stop; give up waiting after about `timeout_s` seconds (None: a generous default)."""
         ...

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -86,12 +87,16 @@ class EngineProcess:
             [sys.executable, "-c", _CHILD_MAIN, str(command_fd), str(outbox_fd)],
             pass_fds=(command_fd, outbox_fd),
         )
+        # Operators (and tests) need the engine's pid to watch it: it is not the server's.
+        logger.info("Engine process started (pid %d)", self._process.pid)
         os.close(command_fd)
         os.close(outbox_fd)
         self._commands = Connection(self_commands_fd, readable=False)
         self._outbox = Connection(self_outbox_fd, writable=False)
         self._commands.send((config, logging.getLogger("conveyor").getEffectiveLevel()))
-        self._send_lock = threading.Lock()
+        # Commands go out through a writer thread: a pipe the engine does not read (it is
+        # stopped or hung) fills up, and a blocked send must not block the event loop.
+        self._outgoing: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._queued_seqs = 0
         self._applied_seqs = 0
         self.last_stats: StepStats | None = None  # the engine's latest report
@@ -105,6 +110,10 @@ class EngineProcess:
         self._reader = threading.Thread(
             target=self._read, name="conveyor-engine-reader", daemon=True
         )
+        self._writer = threading.Thread(
+            target=self._write, name="conveyor-engine-writer", daemon=True
+        )
+        self._writer.start()
 
     def _wait_until_ready(self, timeout_s: float) -> EngineInfo:
         if not self._outbox.poll(timeout_s):
@@ -166,19 +175,29 @@ class EngineProcess:
     def abort_all_at(self, when: float, reason: str) -> None:
         self._send(("abort_all_at", when, reason))
 
-    def stop(self, final_reason: str | None = None) -> None:
+    def stop(self, final_reason: str | None = None, timeout_s: float | None = None) -> None:
         """Blocking: the engine aborts what is left with `final_reason`, reports it, and the
-        process exits (it is killed if it does not within 30 s)."""
+        process exits; it is killed if it has not after `timeout_s` (None: 60 s) plus up to
+        30 s more."""
+        timeout_s = 60.0 if timeout_s is None else timeout_s
         self._send(("stop", final_reason))
         if self.started:
-            self._reader.join(60)
-        self._exit_code(30)
+            self._reader.join(timeout_s)
+        self._exit_code(min(30.0, timeout_s))
+        self._outgoing.put(None)
         self._kill()
 
     # ---------------------------------------------------------------- internals
     def _send(self, command: tuple[Any, ...]) -> None:
-        with self._send_lock, contextlib.suppress(OSError):  # a dead child: the reader tells
-            self._commands.send(command)
+        self._outgoing.put(command)
+
+    def _write(self) -> None:
+        """Send queued commands in order until stop() ends the queue or the child is gone."""
+        while (command := self._outgoing.get()) is not None:
+            try:
+                self._commands.send(command)
+            except OSError:  # a dead child: the reader tells
+                return
 
     def _read(self) -> None:
         """Hand the engine's reports to the callbacks until it stops or dies."""

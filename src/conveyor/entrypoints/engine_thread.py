@@ -110,14 +110,14 @@ class EngineThread:
         self._abort_reason, self._abort_at = reason, when
         self._wakeup.set()
 
-    def stop(self, final_reason: str | None = None) -> None:
+    def stop(self, final_reason: str | None = None, timeout_s: float | None = None) -> None:
         """Blocking: finish the current step, abort what is left with `final_reason`, emit
-        it, and end the thread."""
+        it, and end the thread (waiting at most `timeout_s`; None: as long as it takes)."""
         self._final_reason = final_reason
         self._stopping = True
         self._wakeup.set()
         if self.started:
-            self._thread.join()
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         engine = self.engine

@@ -1,9 +1,11 @@
 """The FastAPI app: routes, API-key check, lifespan of the engine loop.
 
     /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize  need the key
-    /health (200, or 503 when the engine is dead), /version, /metrics           stay open
-Handlers never block: the model runs in AsyncLLM's engine process (or thread); errors go
-through errors.py.
+    /metrics                      needs it too with metrics_require_api_key
+    /health, /ping (GET or HEAD: 200, or 503 when the engine is dead, hung or shutting down),
+    /version                                                                    stay open
+Handlers never block: the model runs in AsyncLLM's engine process (or thread), long text work
+in server/offload.py's threads; errors go through errors.py.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from conveyor.server.completions import create_completion
 from conveyor.server.config import ServerConfig
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError, error_body, error_response, install_error_handlers
+from conveyor.server.offload import INLINE_TOKENS, maybe_off_loop
+from conveyor.server.openapi import document_errors_as_400
 from conveyor.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,18 +45,21 @@ ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 class _APIKeyMiddleware:
     """Pure ASGI (streaming and disconnects pass through untouched): every path except the
-    open ones needs `Authorization: Bearer <key>`."""
+    open ones needs `Authorization: Bearer <key>`. The scheme is case-insensitive (RFC 7235);
+    the key is compared in constant time."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...]) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
+        self._open_paths = open_paths
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self._open_paths:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
+        scheme, _, credentials = given.strip().partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self._expected):
             await self.app(scope, receive, send)
             return
         message = "Missing or invalid API key: send the header 'Authorization: Bearer <key>'."
@@ -66,10 +73,12 @@ def build_app(
 
     Args:
         engine: the engine; the app's lifespan starts its loop and shuts it down.
-        api_key: when set, every route but /health, /version and /metrics needs
-            `Authorization: Bearer <api_key>` (default: config.api_key).
-        config: the limits (max_n, max_request_body_bytes, request_timeout); the
-            engine holds max_waiting_requests. Default: ServerConfig's defaults.
+        api_key: when set, every route but /health, /ping, /version and (unless
+            config.metrics_require_api_key) /metrics needs `Authorization: Bearer <api_key>`
+            (default: config.api_key).
+        config: the limits (max_n, max_prompts_per_request, max_request_body_bytes,
+            request_timeout) and trust_request_chat_template; the engine holds
+            max_waiting_requests. Default: ServerConfig's defaults.
     Returns:
         The FastAPI app (serve it with uvicorn).
     """
@@ -93,6 +102,8 @@ def build_app(
         config.max_n,
         config.request_timeout,
         aliases=tuple(engine.served_model_names[1:]),
+        max_prompts=config.max_prompts_per_request,
+        trust_request_chat_template=config.trust_request_chat_template,
     )
     app.state.ctx = ctx
 
@@ -112,7 +123,8 @@ def build_app(
             data=[ModelCard(id=name, root=root, max_model_len=max_len) for name in ctx.served_names]
         )
 
-    @app.get("/health")
+    # HEAD too: load balancers probe with it (the same status and headers, no body).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         try:
             engine.check_health()
@@ -120,7 +132,7 @@ def build_app(
             return error_response(str(exc), 503)
         return Response(status_code=200)
 
-    @app.get("/ping")
+    @app.api_route("/ping", methods=["GET", "HEAD"])
     async def ping() -> Response:
         return await health()
 
@@ -138,9 +150,9 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise APIError("Give exactly one of `prompt` and `messages`.", param="prompt")
         if body.messages is not None:
-            ids = ctx.render_chat(body.messages, bool(body.add_generation_prompt))
+            ids = await ctx.render_chat(body.messages, bool(body.add_generation_prompt))
         else:
-            ids = engine.tokenizer.encode(body.prompt or "", bool(body.add_special_tokens))
+            ids = await ctx.tokenize_prompt(body.prompt or "", bool(body.add_special_tokens))
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @app.post("/detokenize")
@@ -150,10 +162,16 @@ def build_app(
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(f"Token ids must be in [0, {vocab}); got {bad}.", param="tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+        decode = engine.tokenizer.decode
+        text = await maybe_off_loop(len(body.tokens), INLINE_TOKENS, decode, body.tokens)
+        return DetokenizeResponse(prompt=text)
 
+    document_errors_as_400(app)
     if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        open_paths = tuple(
+            p for p in _OPEN_PATHS if p != "/metrics" or not config.metrics_require_api_key
+        )
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     # Added last, so outermost: an oversized body is refused before anything else runs.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     return app

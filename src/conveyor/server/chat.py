@@ -49,8 +49,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if max_tokens is None:
         max_tokens = req.max_tokens
     params = ctx.with_timeout(req.sampling_params(max_tokens, top))
-    prompt_ids = ctx.render_chat(
-        req.messages, bool(req.add_generation_prompt), req.chat_template_kwargs
+    ctx.check_size(params.n)  # before the template runs
+    prompt_ids = await ctx.render_chat(
+        req.messages, bool(req.add_generation_prompt), req.chat_template_kwargs, req.chat_template
     )
     ctx.check_fits(prompt_ids, params, "messages")
     ctx.admit(params.n)

@@ -12,6 +12,7 @@ from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.server.choice_stream import stream_choices, usage_flags
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
+from conveyor.server.offload import INLINE_TOKENS, maybe_off_loop
 from conveyor.server.protocol import CompletionRequest
 from conveyor.server.responses import (
     CompletionLogProbs,
@@ -43,13 +44,15 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
     params = ctx.with_timeout(req.sampling_params(req.max_tokens, req.logprobs))
     engine = ctx.engine
     prompts = req.prompts()
-    prompt_ids = [ctx.tokenize_prompt(p) for p in prompts]
+    ctx.check_size(params.n, len(prompts))  # before any prompt is tokenized
+    prompt_ids = [await ctx.tokenize_prompt(p) for p in prompts]
     for ids in prompt_ids:  # every prompt is checked before any is queued
         ctx.check_fits(ids, params, "prompt")
     echo_texts = None
     if req.echo:
+        decode = engine.tokenizer.decode
         echo_texts = [
-            p if isinstance(p, str) else engine.tokenizer.decode(ids)
+            p if isinstance(p, str) else await maybe_off_loop(len(ids), INLINE_TOKENS, decode, ids)
             for p, ids in zip(prompts, prompt_ids, strict=True)
         ]
     ctx.admit(params.n, len(prompts))

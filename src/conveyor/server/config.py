@@ -37,8 +37,16 @@ class ServerConfig:
     # Admission control and limits: beyond them a request is refused at once.
     max_waiting_requests: int | None = None  # waiting sequences before 503; None: one per block
     max_n: int = 16  # largest `n` (samples per prompt) one request may ask for (else 400)
+    max_prompts_per_request: int = 256  # prompts one completions request may hold (else 400)
     max_request_body_bytes: int = 10 * 2**20  # larger request bodies get 413
+    max_header_bytes: int = 64 * 2**10  # request line + headers; larger ones get 431
     request_timeout: float | None = None  # seconds; a request unfinished then ends with "abort"
+    # Seconds the engine may go without a step while requests are in flight before it counts
+    # as hung (/health 503, those requests end with an error); 0 turns the check off.
+    engine_stall_timeout: float = 120.0
+    # Requests may bring their own chat template (code that runs on the server): off.
+    trust_request_chat_template: bool = False
+    metrics_require_api_key: bool = False  # with api_key, /metrics needs it too
     # The engine in its own process: streaming work never holds up a step through the GIL.
     engine_process: bool = True
 
@@ -52,7 +60,15 @@ class ServerConfig:
         if self.max_waiting_requests is not None:  # None: sized to the KV cache by the engine
             check_positive_int("max_waiting_requests", self.max_waiting_requests)
         check_positive_int("max_n", self.max_n)
+        check_positive_int("max_prompts_per_request", self.max_prompts_per_request)
         check_positive_int("max_request_body_bytes", self.max_request_body_bytes)
+        check_int("max_header_bytes", self.max_header_bytes, lo=1024)
+        check_number(
+            "engine_stall_timeout",
+            self.engine_stall_timeout,
+            "a finite number of seconds >= 0 (0: off)",
+            lambda v: 0 <= v < math.inf,
+        )
         if self.request_timeout is not None:
             check_number(
                 "request_timeout",
@@ -60,8 +76,9 @@ class ServerConfig:
                 "a positive, finite number of seconds",
                 lambda v: 0 < v < math.inf,
             )
-        if not isinstance(self.engine_process, bool):
-            raise ValueError(f"engine_process must be true or false, got {self.engine_process!r}.")
+        for name in ("engine_process", "trust_request_chat_template", "metrics_require_api_key"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError(f"api_key must be a non-empty string, got {self.api_key!r}.")
         names = self.served_model_name

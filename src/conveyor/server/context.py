@@ -1,4 +1,10 @@
-"""ServingContext: what every endpoint shares (the engine, the served name) and their checks."""
+"""ServingContext: what every endpoint shares (the engine, the served name) and their checks.
+
+Text is refused before it is tokenized when it is longer than `MAX_CHARS_PER_TOKEN`
+characters per token of the model's context: no text that long fits. Tokenizers average 3-5
+characters per token on prose and code; only text made mostly of one long repeated run could
+exceed 32, and it would not fit in far fewer characters either.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,12 @@ from typing import Any
 
 from conveyor.entrypoints.async_llm import AsyncLLM, PromptError
 from conveyor.sampling_params import SamplingParams
+from conveyor.server.chat_template import template_kwargs as checked_template_kwargs
 from conveyor.server.errors import APIError
+from conveyor.server.offload import INLINE_CHARS, maybe_off_loop, off_loop
 from conveyor.server.protocol import ChatMessage
+
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass(slots=True)
@@ -22,6 +32,8 @@ class ServingContext:
     request_timeout: seconds after which any request ends with "abort" (None: only its own
         `deadline`, if any).
     aliases: further names requests may use (listed in /v1/models after model_name).
+    max_prompts: the most prompts one completions request may hold (None: no cap).
+    trust_request_chat_template: requests may bring their own chat template.
     """
 
     engine: AsyncLLM
@@ -30,21 +42,47 @@ class ServingContext:
     max_n: int | None = None
     request_timeout: float | None = None
     aliases: tuple[str, ...] = ()
+    max_prompts: int | None = None
+    trust_request_chat_template: bool = False
 
     @property
     def served_names(self) -> list[str]:
         """Every name this server answers to, the reported one first."""
         return list(dict.fromkeys((self.model_name, *self.aliases)))
 
+    def check_size(self, n: int, num_prompts: int = 1) -> None:
+        """400 for a request larger than this server ever admits (checked before any of its
+        text is tokenized).
+
+        Raises:
+            APIError: n above max_n, more prompts than max_prompts, or more sequences
+                (prompts x n) than max_waiting_requests lets wait at once.
+        """
+        if self.max_n is not None and n > self.max_n:
+            raise APIError(f"n must be at most {self.max_n} on this server, got {n}.", param="n")
+        if self.max_prompts is not None and num_prompts > self.max_prompts:
+            raise APIError(
+                f"prompt must hold at most {self.max_prompts} prompts on this server, "
+                f"got {num_prompts}.",
+                param="prompt",
+            )
+        cap, num_seqs = self.engine.max_waiting_requests, n * num_prompts
+        if num_seqs > cap:
+            raise APIError(
+                f"This request asks for {num_seqs} sequences ({num_prompts} prompt(s) x n={n}), "
+                f"more than this server lets wait at once ({cap}); send fewer prompts or a "
+                "smaller n.",
+                param="n" if num_prompts == 1 else "prompt",
+            )
+
     def admit(self, n: int, num_prompts: int = 1) -> None:
         """Admission control before anything is queued.
 
         Raises:
-            APIError: n above the server's cap (400).
+            APIError: a request larger than the server's caps (400, see check_size).
             EngineOverloadedError: the waiting queue is full (503 with Retry-After).
         """
-        if self.max_n is not None and n > self.max_n:
-            raise APIError(f"n must be at most {self.max_n} on this server, got {n}.", param="n")
+        self.check_size(n, num_prompts)
         self.engine.check_admission(n * num_prompts)
 
     def with_timeout(self, params: SamplingParams) -> SamplingParams:
@@ -66,28 +104,65 @@ class ServingContext:
                 status=404,
             )
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a text or token-id prompt (check_fits rejects an empty one)."""
-        return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    def check_text_length(self, num_chars: int, what: str) -> None:
+        """400 for text too long for the model's context in any tokenization (see the module
+        docstring), before it is tokenized."""
+        limit = self.engine.max_model_len
+        most = limit * MAX_CHARS_PER_TOKEN
+        if num_chars > most:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your {what} "
+                f"has {num_chars} characters, more than {limit} tokens can hold (at most "
+                f"{most}: {MAX_CHARS_PER_TOKEN} per token), so it was not tokenized.",
+                param=what,
+            )
 
-    def render_chat(
+    async def tokenize_prompt(
+        self, prompt: str | list[int], add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of a text or token-id prompt (check_fits rejects an empty one); long text
+        is tokenized off the event loop.
+
+        Raises:
+            APIError: text too long for the model's context.
+        """
+        if not isinstance(prompt, str):
+            return prompt
+        self.check_text_length(len(prompt), "prompt")
+        encode = self.engine.tokenizer.encode
+        return await maybe_off_loop(len(prompt), INLINE_CHARS, encode, prompt, add_special_tokens)
+
+    async def render_chat(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
-        """Prompt token ids of chat messages, through the tokenizer's chat template."""
+        """Prompt token ids of chat messages, through the chat template (the tokenizer's, or
+        the request's own if the server trusts request templates), rendered off the loop.
+
+        Raises:
+            APIError: text too long, a refused template or template variable, no template,
+                or the template failed on these messages.
+        """
+        kwargs = checked_template_kwargs(
+            template_kwargs, chat_template, self.trust_request_chat_template
+        )
+        dumped = [m.for_template() for m in messages]
+        self.check_text_length(_num_chars(dumped), "messages")
         tokenizer = self.engine.tokenizer
-        if not tokenizer.has_chat_template:
+        if not tokenizer.has_chat_template and "chat_template" not in kwargs:
             raise APIError(
                 "This model has no chat template; use /v1/completions with a plain prompt.",
                 param="messages",
             )
         try:
-            return tokenizer.apply_chat_template(
-                [m.for_template() for m in messages],
+            return await off_loop(
+                tokenizer.apply_chat_template,
+                dumped,
                 add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
+                **kwargs,
             )
         except ValueError as exc:  # a malformed message, or the template refused them
             raise APIError(str(exc), param="messages") from exc
@@ -109,3 +184,14 @@ class ServingContext:
         except PromptError as exc:
             param = what if exc.param == "prompt" else exc.param
             raise APIError(str(exc), param=param) from exc
+
+
+def _num_chars(value: Any) -> int:
+    """Characters in every string inside a message list (what a template can print)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_num_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_num_chars(v) for v in value)
+    return 0

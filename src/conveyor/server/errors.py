@@ -4,6 +4,7 @@
     APIError / ValueError (SamplingParams, engine checks)  -> 400 (or the APIError's status)
     unknown route / method                                  -> 404 / 405
     body over max_request_body_bytes (server/admission.py)  -> 413
+    headers over max_header_bytes (server/http_limits.py)   -> 431
     EngineNotRunningError (dead engine, shutting down)      -> 503 ServiceUnavailableError
     EngineOverloadedError (waiting queue full)              -> 503 with a Retry-After header
     RequestFailedError, anything else                       -> 500, logged; never a traceback
@@ -37,6 +38,7 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestEntityTooLargeError",
+    431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -53,9 +55,15 @@ class APIError(ValueError):
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error object for `status`."""
+    """The OpenAI error object for `status`. Text that UTF-8 cannot encode (a lone surrogate
+    echoed from a request) is escaped, so the error itself always reaches the client."""
     kind = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    message, param = _encodable(message), None if param is None else _encodable(param)
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:

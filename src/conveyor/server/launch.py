@@ -7,6 +7,11 @@ On SIGTERM or Ctrl-C:
     then       (or as soon as nothing is in flight) uvicorn closes the socket, the engine loop
                stops and the process exits with status 0
 A second signal exits at once (uvicorn's force exit).
+
+If the engine dies (its process is killed or crashes), its in-flight requests end with an
+error event, new ones get 503, and the server then stops by itself and exits with status 1
+(ENGINE_DIED_EXIT_CODE), so a supervisor (docker's restart policy, Kubernetes, systemd)
+restarts it. The engine is not restarted in place: a fresh process is the one state known good.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ if TYPE_CHECKING:  # imported in run_server, once the port is ours: they import 
 
 logger = logging.getLogger("conveyor.server")
 
+ENGINE_DIED_EXIT_CODE = 1
+
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until SIGTERM / Ctrl-C.
@@ -39,7 +46,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         engine_config: the engine's settings (model None: the demo model).
         server_config: host, port, key, served name, shutdown grace period, logging.
     Returns:
-        0 once the server has stopped.
+        0 once the server has stopped after a signal; ENGINE_DIED_EXIT_CODE if it stopped
+        because the engine died.
     Raises:
         ValueError: the port cannot be bound (found before the model is loaded), or the
             engine rejected the config or the checkpoint.
@@ -54,6 +62,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     with sock:  # closed if anything below fails (uvicorn closes it as it stops, too)
         from conveyor.entrypoints.async_llm import AsyncLLM
         from conveyor.server.app import build_app
+        from conveyor.server.http_limits import header_limited_protocol
 
         engine = AsyncLLM.from_config(
             engine_config,
@@ -61,6 +70,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             log_stats_interval_s=server_config.log_stats_interval,
             max_waiting_requests=server_config.max_waiting_requests,
             engine_process=server_config.engine_process,
+            engine_stall_timeout_s=server_config.engine_stall_timeout or None,
         )
         app = build_app(engine, config=server_config)
         grace = server_config.shutdown_timeout
@@ -69,6 +79,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             host=server_config.host,
             port=server_config.port,
             log_level=server_config.log_level,
+            http=header_limited_protocol(server_config.max_header_bytes),
             # A backstop only: our own deadline aborts what is left after `grace` seconds.
             timeout_graceful_shutdown=math.ceil(grace) + 5,
         )
@@ -90,7 +101,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         # uvicorn re-raises a captured Ctrl-C once it has shut down: that is a normal exit.
         with contextlib.suppress(KeyboardInterrupt):
             server.run(sockets=[sock])
-    return 0
+    return server.exit_code
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -137,10 +148,28 @@ class _GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
         self._drain_task: asyncio.Task[None] | None = None
+        self.exit_code = 0
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watcher = self._loop.create_task(self._exit_when_engine_dies())
+        try:
+            await super().serve(sockets)
+        finally:
+            watcher.cancel()
+
+    async def _exit_when_engine_dies(self) -> None:
+        """Stop serving once the engine is dead; the in-flight requests have been told (their
+        streams end with an error event while uvicorn lets open responses finish)."""
+        while not self._engine.dead:
+            await asyncio.sleep(0.1)
+        logger.error(
+            "The engine died; stopping the server with exit status %d so that a supervisor "
+            "restarts it.",
+            ENGINE_DIED_EXIT_CODE,
+        )
+        self.exit_code = ENGINE_DIED_EXIT_CODE
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining or self._loop is None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic_core import PydanticCustomError
 
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.errors import APIError
+from conveyor.server.unicode import find_lone_surrogate
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -24,6 +26,21 @@ Bool = Annotated[bool, Strict()]
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """JSON's `\\udfff` escapes decode to lone surrogates, which no tokenizer takes and no
+        UTF-8 answer can echo: such a field is a 400 naming it."""
+        where = find_lone_surrogate(value)
+        if where is not None:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "a string{where} holds a lone UTF-16 surrogate ({char}), which is not valid "
+                "Unicode text",
+                {"where": where[0], "char": where[1]},
+            )
+        return value
 
 
 class StreamOptions(OpenAIModel):
@@ -59,6 +76,15 @@ class _GenerationRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     best_of: Int | None = None
+    # Not supported yet (structured outputs and prompt logprobs are later work): declared so
+    # that a request setting them is refused by check_common instead of silently ignored.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    prompt_logprobs: Int | None = None
 
     def check_common(self) -> None:
         """Checks that SamplingParams cannot make (they involve the request as a whole)."""
@@ -68,6 +94,14 @@ class _GenerationRequest(OpenAIModel):
             )
         if self.logit_bias:
             raise APIError("logit_bias is not supported by this server.", param="logit_bias")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise APIError(
+                'response_format is not supported by this server yet (only {"type": "text"}).',
+                param="response_format",
+            )
+        for name in _NOT_SUPPORTED_YET:
+            if getattr(self, name) is not None:
+                raise APIError(f"{name} is not supported by this server yet.", param=name)
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError("best_of is not supported: leave it unset or equal to n.", "best_of")
 
@@ -128,6 +162,18 @@ class CompletionRequest(_GenerationRequest):
         return list(p)  # type: ignore[arg-type]
 
 
+_NOT_SUPPORTED_YET = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "prompt_logprobs",
+)
+# OpenAI's chat roles; anything else is a 400 rather than text a template prints or drops.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class TextPart(OpenAIModel):
     type: Literal["text"]
     text: str
@@ -136,7 +182,7 @@ class TextPart(OpenAIModel):
 class ChatMessage(OpenAIModel):
     model_config = ConfigDict(extra="allow")  # tool_calls, name, ... go to the template
 
-    role: str
+    role: Role
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict[str, Any]:
@@ -153,8 +199,12 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: Bool | None = False
     top_logprobs: Int | None = None
     add_generation_prompt: Bool | None = True
+    chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     def check_chat(self) -> None:
         """Chat-only checks, before the template is applied."""
@@ -164,6 +214,11 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         if self.tools:
             raise APIError("tools are not supported by this server.", param="tools")
+        if self.functions:
+            raise APIError("functions are not supported by this server.", param="functions")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise APIError(f'{name} is not supported by this server (only "none").', param=name)
 
 
 class TokenizeRequest(OpenAIModel):
