@@ -44,7 +44,8 @@ def make_scheduler(policy: str, size: int, seed: int = 0) -> tuple[Scheduler, di
     rng = random.Random(seed)
     trace = [dataclasses.replace(r, priority=rng.randint(0, 3)) for r in trace]
     longest = max(r.prompt_len + r.max_tokens for r in trace)
-    config = EngineConfig(scheduler=policy, max_num_seqs=MAX_NUM_SEQS)
+    # Simulated prompts are one token repeated: a prefix cache would hit everything.
+    config = EngineConfig(scheduler=policy, max_num_seqs=MAX_NUM_SEQS, enable_prefix_caching=False)
     config.max_model_len = longest
     config.num_kv_blocks = MAX_NUM_SEQS * -(-longest // config.block_size)
     clock = [0.0]

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -139,3 +141,201 @@ def test_random_allocations_and_frees_keep_the_pool_consistent(num_blocks, block
                 assert table == before
                 assert bm.num_free_blocks == free_before
         check_invariants(bm)
+
+
+# ---------------------------------------------------------------- prefix caching
+
+
+def seq(request_id: str, tokens: list[int]) -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(), max_tokens=16)
+
+
+def run(bm: BlockManager, req: Sequence, n: int | None = None) -> list[int]:
+    """Admit `req` as the scheduler does (hits first), compute `n` tokens; its table."""
+    hits = bm.get_computed_blocks(req)
+    cached = len(hits) * bm.block_size
+    n = req.num_tokens - cached if n is None else n
+    assert bm.allocate_slots(req, n, hits)
+    req.num_computed_tokens = cached + n
+    return bm.get_block_table(req.request_id)
+
+
+def check_cache(bm: BlockManager) -> None:
+    free = list(bm.free_block_queue)
+    assert len(free) == len(set(free))
+    holders = Counter(b for table in bm.block_tables.values() for b in table)
+    assert all(bm.ref_counts[b] == holders[b] for b in range(bm.num_total_blocks))
+    assert set(free) == {b for b in range(bm.num_total_blocks) if holders[b] == 0}
+    assert all(bm.block_hash[b] == h for h, b in bm.cached_blocks.items())
+    assert sum(h is not None for h in bm.block_hash) == len(bm.cached_blocks)
+
+
+def test_a_freed_prompt_is_found_again_and_only_the_rest_is_allocated():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq("a", list(range(10)))  # blocks [0..3] [4..7] full, [8, 9] partial
+    table_a = list(run(bm, a))
+    bm.free(a)
+    b = seq("b", [*range(10), 50, 51, 52])
+    hits = bm.get_computed_blocks(b)
+    assert hits == table_a[:2]  # the two full blocks; never the partial one
+    assert bm.allocate_slots(b, 5, hits)
+    assert bm.get_block_table("b")[:2] == table_a[:2]
+    assert len(bm.get_block_table("b")) == 4  # cdiv(8 + 5, 4)
+    assert all(bm.ref_counts[x] == 1 for x in table_a[:2])
+    check_cache(bm)
+
+
+def test_at_least_the_last_token_is_left_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq("a", list(range(8)))
+    run(bm, a)
+    bm.free(a)
+    # The same 8 tokens: both blocks are cached, but the last token must produce logits.
+    assert len(bm.get_computed_blocks(seq("b", list(range(8))))) == 1
+    assert len(bm.get_computed_blocks(seq("c", list(range(9))))) == 2
+    assert bm.get_computed_blocks(seq("d", list(range(4)))) == []
+
+
+def test_a_running_requests_blocks_are_shared_by_reference():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a, b = seq("a", list(range(9))), seq("b", [*range(9), 7])
+    table_a = run(bm, a)
+    table_b = run(bm, b)
+    assert table_b[:2] == table_a[:2] and table_b[2] != table_a[2]
+    assert [bm.ref_counts[x] for x in table_a[:2]] == [2, 2]
+    bm.free(a)
+    assert [bm.ref_counts[x] for x in table_a[:2]] == [1, 1]
+    assert table_a[0] not in bm.free_block_queue
+    check_cache(bm)
+    bm.free(b)
+    assert bm.num_free_blocks == 8
+    check_cache(bm)
+
+
+def test_the_chain_not_the_block_alone_decides_a_hit():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    run(bm, a)
+    bm.free(a)
+    # Block 1 has the same tokens, after a different block 0: different K/V, no hit.
+    assert bm.get_computed_blocks(seq("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
+
+
+def test_cached_free_blocks_are_evicted_least_recently_freed_first_and_only_when_needed():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a = seq("a", [1, 2, 3, 4, 9])  # 2 full blocks + 1 partial
+    run(bm, a)
+    bm.free(a)  # all 3 cached-or-free blocks back; the never-used block 3 stays first
+    assert len(bm.get_computed_blocks(seq("x", [1, 2, 3, 4, 5]))) == 2
+    c = seq("c", [7, 7, 7])
+    run(bm, c)  # needs 2 fresh blocks: block 3, then a's partial (uncached) tail block
+    assert len(bm.get_computed_blocks(seq("x", [1, 2, 3, 4, 5]))) == 2
+    d = seq("d", [8, 8])
+    run(bm, d)  # one more: a's second block (freed before its first) is evicted
+    assert len(bm.get_computed_blocks(seq("x", [1, 2, 3, 4, 5]))) == 1
+    check_cache(bm)
+
+
+def test_a_hit_is_taken_out_of_the_free_queue_and_all_or_nothing_holds():
+    bm = BlockManager(num_blocks=3, block_size=2, enable_prefix_caching=True)
+    a = seq("a", [1, 2, 3, 4, 5])
+    run(bm, a)
+    bm.free(a)
+    b = seq("b", [1, 2, 3, 4, 5, 6, 7, 8])
+    hits = bm.get_computed_blocks(b)
+    assert len(hits) == 2
+    # 2 hits (both free) + cdiv(8, 2) - 2 = 2 fresh blocks > 3 free: refused, nothing taken.
+    assert not bm.allocate_slots(b, 4, hits)
+    assert bm.num_free_blocks == 3 and bm.get_block_table("b") == []
+    assert bm.allocate_slots(b, 2, hits)  # 2 hits + 1 fresh
+    assert bm.num_free_blocks == 0
+    check_cache(bm)
+
+
+def test_blocks_registered_for_a_step_that_never_ran_are_not_cached():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq("a", list(range(9)))
+    assert bm.allocate_slots(a, 9)  # scheduled: blocks 0, 1 registered for this step
+    assert len(bm.cached_blocks) == 2
+    bm.free(a)  # preempted inside the same schedule(): num_computed_tokens is still 0
+    assert bm.cached_blocks == {}
+    assert bm.get_computed_blocks(seq("b", list(range(9)))) == []
+    check_cache(bm)
+
+
+def test_prefix_caching_off_finds_nothing_and_reset_forgets_everything():
+    off = BlockManager(num_blocks=8, block_size=4)
+    a = seq("a", list(range(9)))
+    run(off, a)
+    off.free(a)
+    assert off.get_computed_blocks(seq("b", list(range(9)))) == []
+    assert off.cached_blocks == {}
+
+    on = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq("a", list(range(9)))
+    run(on, a)
+    assert on.reset_prefix_cache() == 2
+    on.free(a)
+    assert on.get_computed_blocks(seq("b", list(range(9)))) == []
+    check_cache(on)
+
+
+def test_decode_tokens_fill_blocks_that_are_cached_too():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = seq("a", [1, 2, 3])
+    run(bm, a)
+    for t in (4, 5, 6, 7, 8):  # sampled tokens, computed one per step
+        a.append_output_token(t)
+        assert bm.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    bm.free(a)
+    turn2 = seq("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # the conversation so far, plus more
+    assert len(bm.get_computed_blocks(turn2)) == 2
+
+
+_cache_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "grow", "free"]),
+        st.integers(0, 5),
+        st.integers(0, 12),
+        st.integers(0, 3),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4]), ops=_cache_ops)
+def test_random_prefix_cached_workloads_keep_the_pool_consistent(num_blocks, block_size, ops):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    reqs: dict[int, Sequence] = {}
+    for op, idx, n, variant in ops:
+        req = reqs.get(idx)
+        if op == "admit" and req is None:
+            # Prompts from a few families, so they share prefixes of different lengths.
+            tokens = [variant if i % (variant + 2) == 0 else i for i in range(n + 1)]
+            req = reqs[idx] = seq(f"r{idx}-{len(ops)}", tokens)
+            hits = bm.get_computed_blocks(req)
+            assert len(hits) * block_size <= req.num_tokens - 1
+            free_before = bm.num_free_blocks
+            todo = req.num_tokens - len(hits) * block_size
+            if bm.allocate_slots(req, todo, hits):
+                req.num_computed_tokens = req.num_tokens
+            else:
+                assert bm.num_free_blocks == free_before
+                assert bm.get_block_table(req.request_id) == []
+                del reqs[idx]
+        elif op == "grow" and req is not None:
+            req.append_output_token(n)
+            if bm.allocate_slots(req, 1):
+                req.num_computed_tokens += 1
+            else:
+                req.output_token_ids.pop()
+        elif op == "free" and req is not None:
+            bm.free(req)
+            del reqs[idx]
+        check_cache(bm)
+    for req in list(reqs.values()):
+        bm.free(req)
+    check_cache(bm)
+    assert bm.num_free_blocks == num_blocks

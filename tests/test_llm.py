@@ -150,14 +150,21 @@ def test_prompt_too_long_for_the_context_is_rejected_up_front(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def test_request_larger_than_the_whole_kv_cache_is_rejected_and_nothing_queued(demo_model_dir):
+def test_the_context_is_what_the_kv_cache_holds_and_longer_prompts_are_rejected(demo_model_dir):
     small = LLM(str(demo_model_dir), num_kv_blocks=4, block_size=16)  # 64 slots
-    with pytest.raises(ValueError, match="KV cache"):
-        small.generate(["fits", [7] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
+    assert small.llm_engine.max_model_len == 64  # the model's 2048 capped to the cache
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        small.generate(["fits", [7] * 70], SamplingParams(max_tokens=10), use_tqdm=False)
     assert not small.llm_engine.has_unfinished_requests()
-    # The engine still serves requests that fit.
-    out = small.generate("fits", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    # The engine still serves requests that fit; max_tokens is clamped to what is left.
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    out = small.generate([[7] * 60], params, use_tqdm=False)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (4, "length")
+
+
+def test_a_max_model_len_beyond_the_kv_cache_is_a_start_up_error(demo_model_dir):
+    with pytest.raises(ValueError, match=r"max_model_len 512 is more than the KV cache holds"):
+        LLM(str(demo_model_dir), num_kv_blocks=4, max_model_len=512)
 
 
 @pytest.mark.parametrize(

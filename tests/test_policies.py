@@ -29,8 +29,14 @@ class Clock:
 
 
 def make_scheduler(clock: Clock | None = None, **overrides) -> Scheduler:
+    # Prefix caching off: these prompts repeat one token, so every one would hit.
     kwargs: dict = dict(
-        max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_kv_blocks=64, max_model_len=512
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=512,
+        enable_prefix_caching=False,
     )
     kwargs.update(overrides)
     return Scheduler(EngineConfig(**kwargs), clock=clock or Clock())

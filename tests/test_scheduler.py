@@ -33,8 +33,14 @@ TOKEN = 7  # what the fake model samples unless a test says otherwise
 
 
 def make_scheduler(**overrides: int | str) -> Scheduler:
+    # Prefix caching off unless a test turns it on: these prompts all start alike.
     kwargs: dict = dict(
-        max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_kv_blocks=32, max_model_len=256
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=8,
+        num_kv_blocks=32,
+        max_model_len=256,
+        enable_prefix_caching=False,
     )
     kwargs.update(overrides)
     return Scheduler(EngineConfig(**kwargs))
@@ -389,6 +395,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         aging_bound_s=st.sampled_from([0.5, 5.0, math.inf]),
         preemption_threshold=st.sampled_from([0.5, 1.0]),
         preemption_cooldown_s=st.sampled_from([0.0, 1.0]),
+        prefix_caching=st.booleans(),
     )
     def setup(
         self,
@@ -402,8 +409,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         aging_bound_s,
         preemption_threshold,
         preemption_cooldown_s,
+        prefix_caching,
     ):
         self.config = EngineConfig(
+            enable_prefix_caching=prefix_caching,
             scheduler=policy,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
@@ -425,6 +434,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.added: dict[str, Sequence] = {}
         self.finish_events: Counter[str] = Counter()
         self.reported_finished: Counter[str] = Counter()
+        # What the fake model has written into each KV slot: (block, offset) -> token id.
+        self.kv: dict[tuple[int, int], int] = {}
 
     @rule(
         prompt_len=st.integers(1, 64),
@@ -433,16 +444,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         priority=st.integers(0, 3),
         deadline=st.none() | st.floats(0.5, 8.0),
         length_hint=st.none() | st.integers(1, 12),
+        fork=st.integers(0, 64),
     )
-    def add_request(self, prompt_len, max_tokens, eos, priority, deadline, length_hint):
+    def add_request(self, prompt_len, max_tokens, eos, priority, deadline, length_hint, fork):
         prompt_len = min(prompt_len, self.capacity)
         max_tokens = min(max_tokens, self.capacity - prompt_len + 1)  # the cache can hold it
         params = SamplingParams(
             max_tokens=max_tokens, priority=priority, deadline=deadline, length_hint=length_hint
         )
+        # Prompts share prefixes (so the prefix cache hits) and differ after `fork` tokens.
         req = Sequence(
             f"r{len(self.added)}",
-            [100 + i for i in range(prompt_len)],
+            [100 + i if i < fork else 50 + len(self.added) for i in range(prompt_len)],
             params,
             max_tokens=max_tokens,
             eos_token_id=0 if eos else None,
@@ -492,6 +505,24 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def update(self):
         out, self.pending = self.pending, None
+        # The fake model runs the whole scheduled batch (aborted-meanwhile rows too, as the
+        # runner does): every new token's K/V goes to its slot, all of them before anything
+        # attends. Then each request still running must find its whole context in its table:
+        # shared blocks and prefix-cache hits hold exactly its tokens.
+        bs = self.sched.block_manager.block_size
+        for r in out.scheduled:
+            table, tokens = out.block_tables[r.request_id], r.all_token_ids
+            for pos in range(
+                r.num_computed_tokens,
+                r.num_computed_tokens + out.num_scheduled_tokens[r.request_id],
+            ):
+                self.kv[table[pos // bs], pos % bs] = tokens[pos]
+        for r in out.scheduled:
+            if r.status is SequenceStatus.RUNNING:
+                table, tokens = out.block_tables[r.request_id], r.all_token_ids
+                end = r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
+                seen = [self.kv.get((table[p // bs], p % bs)) for p in range(end)]
+                assert seen == tokens[:end], f"{r.request_id} would attend to wrong K/V"
         # The fake model samples for every request reaching the end of its tokens; 0 is eos.
         sampled = {r.request_id: self.rng.randrange(8) for r in to_sample(out)}
         for req in self.sched.update_from_output(out, sampled):
@@ -526,7 +557,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         queued = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
         assert sorted(queued) == sorted(open_reqs)
         pending = self.pending.num_scheduled_tokens if self.pending else {}
-        held = 0
+        holders: Counter[int] = Counter()
         for rid, req in self.added.items():
             table = bm.get_block_table(rid)
             if req.status is SequenceStatus.RUNNING:
@@ -535,9 +566,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:  # waiting, preempted or finished: holds nothing
                 assert table == []
                 assert req.is_finished or req.num_computed_tokens == 0
-            held += len(table)
+            assert len(set(table)) == len(table)
+            holders.update(table)
             assert self.finish_events[rid] == (1 if req.is_finished else 0)
-        assert held == bm.num_total_blocks - bm.num_free_blocks
+        # A block's ref count is the number of tables holding it; shared only when caching.
+        assert all(bm.ref_counts[b] == holders[b] for b in range(bm.num_total_blocks))
+        assert self.config.enable_prefix_caching or max(holders.values(), default=1) == 1
+        # The cache index and the blocks' hashes agree.
+        assert all(bm.block_hash[b] == h for h, b in bm.cached_blocks.items())
+        assert sum(h is not None for h in bm.block_hash) == len(bm.cached_blocks)
         assert sched.num_preemptions == sum(r.num_preemptions for r in self.added.values())
         assert all(c == 1 for c in self.reported_finished.values())
 
@@ -573,3 +610,45 @@ def test_random_workloads_keep_scheduler_invariants_and_finish_every_request():
         SchedulerMachine,
         settings=settings(max_examples=200, stateful_step_count=50, deadline=None),
     )
+
+
+def test_a_cached_prefix_is_skipped_and_charges_the_budget_only_for_the_rest():
+    sched = make_scheduler(enable_prefix_caching=True)
+    a = make_request("a", 20, max_tokens=1)
+    sched.add_request(a)
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert a.num_cached_tokens == 0
+    b = make_request("b", 24, max_tokens=1)  # a's 20 prompt tokens, then 4 more
+    sched.add_request(b)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"b": 8}  # blocks 0 and 1 (16 tokens) were cached
+    assert out.total_num_scheduled_tokens == 8
+    assert b.num_computed_tokens == 16 and b.num_cached_tokens == 16
+    assert out.admitted == [b]
+    bm = sched.block_manager
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (20 + 24, 16)
+
+
+def test_samples_of_one_prompt_admitted_together_compute_it_once():
+    sched = make_scheduler(enable_prefix_caching=True)
+    seqs = [make_request(f"p#{i}", 20) for i in range(3)]
+    for s in seqs:
+        sched.add_request(s)
+    out = sched.schedule()
+    # The first computes all 20; the others find its two full blocks registered for this
+    # very step and compute only the partial last block.
+    assert out.num_scheduled_tokens == {"p#0": 20, "p#1": 4, "p#2": 4}
+    bm = sched.block_manager
+    tables = [bm.get_block_table(s.request_id) for s in seqs]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert len({t[2] for t in tables}) == 3  # each sample writes its own last block
+    assert [bm.ref_counts[b] for b in tables[0][:2]] == [3, 3]
+
+
+def test_prefix_caching_off_computes_every_prompt_in_full():
+    sched = make_scheduler()
+    for i in range(3):
+        sched.add_request(make_request(f"p#{i}", 20))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"p#0": 20, "p#1": 20, "p#2": 20}

@@ -147,7 +147,7 @@ def test_a_kv_cache_larger_than_free_memory_is_one_line_naming_the_flag(
 
 def test_max_model_len_above_the_context_is_capped_with_a_warning(demo_model_dir, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="conveyor"):
-        llm = LLM(str(demo_model_dir), max_model_len=100_000, num_kv_blocks=16)
+        llm = LLM(str(demo_model_dir), max_model_len=100_000, num_kv_blocks=128)
     assert llm.llm_engine.max_model_len == 2048
     assert (
         "max_model_len 100000 is more than the model's context (max_position_embeddings in "

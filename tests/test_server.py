@@ -333,3 +333,37 @@ def test_models_health_version_tokenize_detokenize(server, client) -> None:
     assert text == "Hello world"
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
     assert httpx.post(f"{url}/tokenize", json=chat).json()["count"] > tok["count"]
+
+
+def test_a_repeated_prefix_is_reported_as_cached_tokens(client, server) -> None:
+    system = {"role": "system", "content": "You answer in one short sentence, kindly. " * 4}
+    ask = [system, {"role": "user", "content": "What is the sea?"}]
+    before = _metrics(server)
+    first = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4)
+    # A new question after the same system prompt; then the whole first exchange again.
+    again = [system, {"role": "user", "content": "What is the sky?"}]
+    second = client.chat.completions.create(model=MODEL, messages=again, max_tokens=4)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0
+    assert first.usage.prompt_tokens_details.cached_tokens >= 0
+    # Streamed: the final usage chunk carries it too; completions report it the same way.
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=ask, max_tokens=4, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+    prompt = "Once upon a time, in a land far away, there lived a very old and wise owl."
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    resp = client.completions.create(model=MODEL, prompt=prompt + " It", max_tokens=2)
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 16
+    after = _metrics(server)
+    queries = metric_value(after, "conveyor:prefix_cache_queries_total") - metric_value(
+        before, "conveyor:prefix_cache_queries_total"
+    )
+    hits = metric_value(after, "conveyor:prefix_cache_hits_total") - metric_value(
+        before, "conveyor:prefix_cache_hits_total"
+    )
+    assert queries >= sum(r.usage.prompt_tokens for r in (first, second, resp))
+    assert hits >= cached + 16

@@ -97,6 +97,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
     add("--num-kv-blocks", type=int, metavar="N", help="KV blocks (default: from memory)")
     add("--kv-cache-space-gb", type=float, metavar="GB", help="KV memory if no block count")
+    add("--gpu-memory-utilization", type=float, metavar="F", help="CUDA: fraction of the "
+        "GPU the engine may use when the KV cache is not sized otherwise (0.9)")  # fmt: skip
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="reuse the K/V of repeated prompt prefixes (default: on)")  # fmt: skip
     add("--max-model-len", type=int, metavar="N", help="cap on prompt + output tokens")
     add("--tokenizer", metavar="DIR", help="tokenizer folder (default: the model's)")
     add("--dtype", help="auto, float32, float16 or bfloat16")

@@ -16,18 +16,37 @@ Slot maths (block_size = 4; a request with num_computed_tokens = 6 gets 5 new to
     slot(t) = block_table[t // block_size] * block_size + t % block_size
     e.g. token 9 -> block_table[2] * 4 + 1 = 9 * 4 + 1 = 37
 
+Prefix caching (`enable_prefix_caching`): a FULL block is known by a hash chain,
+hash_i = sha256(hash_{i-1} + its token ids), so equal hashes mean equal tokens at equal
+positions after an equal prefix, hence equal K/V. A block is registered under its hash when it
+is allocated for the step that fills it (the model writes every layer's K/V for the whole batch
+before that layer attends, so a request scheduled later in the same step may already read it).
+A freed block keeps its hash and content and joins the free queue; a new request takes the
+longest chain of registered blocks (`get_computed_blocks`), pulling free ones back out of the
+queue. A fresh block is taken from the queue's head (least recently freed), and only then does
+a cached block lose its hash (eviction):
+
+    request A  [h0 h1 h2 | partial]     freed: queue ... h2 h1 h0   (tail first: h2 goes first)
+    request B  same prompt + more   ->  hits h0 h1 h2 (ref 1 each), computes the rest only
+
 Invariants (checked by the property tests):
     * every block is either in the free queue (ref count 0) or referenced (ref count > 0);
       len(free queue) + blocks in use == num_blocks, and the free queue has no duplicates;
-    * without prefix sharing, a block's ref count is the number of tables holding it.
+    * a block's ref count is the number of tables holding it;
+    * every registered hash names a block that carries that hash, and at most one block per
+      hash is registered.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 
 from conveyor.core.sequence import Sequence
 from conveyor.validation import check_positive_int
+
+_ROOT_HASH = b"conveyor-prefix-cache-v1"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,28 +54,62 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class BlockManager:
-    """Fixed-size KV blocks with ref counts, a free queue and per-request block tables.
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """The chained hash of one full block: sha256(parent hash + its token ids as int64).
 
-    Ref counts leave room for prefix caching and n > 1 sharing prompt blocks: a block goes
-    back to the free queue only when its last holder frees it.
+    A cryptographic hash, so that no client can build a prompt whose block collides with
+    another client's (Python's hash() of ints can be collided on purpose).
+    """
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def block_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]:
+    """`seq.block_hashes` extended to at least `num_blocks` full blocks of its known tokens.
+
+    Computed once per block and kept on the sequence (tokens never change once known).
+    """
+    hashes = seq.block_hashes
+    if len(hashes) < num_blocks:
+        tokens = seq.all_token_ids  # one concatenation for all the blocks hashed now
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size])
+            hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    """Fixed-size KV blocks with ref counts, an LRU free queue and per-request block tables.
+
+    A block goes back to the free queue only when its last holder frees it. With prefix
+    caching, requests with a common prefix hold the same blocks (ref count > 1).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         """Args:
         num_blocks: physical KV blocks in the cache.
         block_size: token slots per block.
+        enable_prefix_caching: keep full blocks' K/V findable by hash after they are freed.
         """
         check_positive_int("num_blocks", num_blocks)
         check_positive_int("block_size", block_size)
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self._num_blocks = num_blocks
         # Read-only outside this class (tests and metrics look at them).
         self.ref_counts: list[int] = [0] * num_blocks
-        # Blocks are taken from the left and returned on the right, so recently freed blocks
-        # are reused last (prefix caching will hit them before they are evicted).
-        self.free_block_queue: deque[int] = deque(range(num_blocks))
+        # Free blocks in LRU order (keys; values unused): taken from the head, returned at the
+        # tail, and a prefix-cache hit takes one out of the middle, all O(1).
+        self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_tables: dict[str, list[int]] = {}
+        # Prefix cache: hash -> the block registered under it, and each block's hash.
+        self.cached_blocks: dict[bytes, int] = {}
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # Per request: how many leading blocks of its table are registered.
+        self._num_registered: dict[str, int] = {}
+        # Lookups of admitted requests, in tokens (vLLM's prefix cache queries / hits).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,54 +128,150 @@ class BlockManager:
         """Blocks needed to hold `num_tokens` tokens."""
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request: Sequence, num_new_tokens: int) -> bool:
+    def get_computed_blocks(self, request: Sequence) -> list[int]:
+        """The longest chain of registered blocks that starts the request's known tokens.
+
+        Capped so that at least the last known token is left to compute (it produces the
+        logits to sample from). Read-only: pass the result to `allocate_slots`. Empty when
+        prefix caching is off or the request already holds blocks.
+        """
+        if not self.enable_prefix_caching or request.request_id in self.block_tables:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks <= 0:
+            return []
+        cached = self.cached_blocks
+        hits: list[int] = []
+        for h in block_hashes(request, self.block_size, max_blocks)[:max_blocks]:
+            block_id = cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(
+        self, request: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
         """Make the request's block table cover its computed tokens plus `num_new_tokens`.
 
         Only the missing blocks are allocated. All-or-nothing: when the free queue is too
-        short nothing is allocated and the table is left as it was.
+        short nothing changes.
 
         Args:
-            request: the request; its `num_computed_tokens` says how many tokens are cached.
+            request: the request; `num_computed_tokens` says how many tokens are cached.
             num_new_tokens: tokens the next step will write into the cache.
+            computed_blocks: a request holding no blocks yet: the prefix-cache hits from
+                `get_computed_blocks`, which start its table; the caller then sets
+                `num_computed_tokens` to `len(computed_blocks) * block_size` (this method
+                counts them as computed already).
         Returns:
             True if the table now covers `num_computed_tokens + num_new_tokens` tokens.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}.")
-        table = self.block_tables.get(request.request_id)
-        num_held = 0 if table is None else len(table)
-        num_missing = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - num_held
-        if num_missing <= 0:
-            return True
+        rid = request.request_id
+        table = self.block_tables.get(rid)
+        hits = computed_blocks or []
+        if hits and table is not None:
+            raise ValueError(f"request {rid!r} already holds blocks; it cannot take cache hits.")
+        num_held = len(table) if table is not None else len(hits)
+        num_computed = len(hits) * self.block_size if hits else request.num_computed_tokens
+        num_missing = cdiv(num_computed + num_new_tokens, self.block_size) - num_held
         free_queue = self.free_block_queue
-        if num_missing > len(free_queue):
+        ref_counts = self.ref_counts
+        # Hits sitting in the free queue leave it too.
+        num_free_hits = sum(1 for b in hits if ref_counts[b] == 0)
+        if max(num_missing, 0) + num_free_hits > len(free_queue):
             return False
         if table is None:
-            table = self.block_tables[request.request_id] = []
-        ref_counts = self.ref_counts
-        for _ in range(num_missing):
-            block_id = free_queue.popleft()
+            if num_missing <= 0 and not hits:
+                return True
+            table = self.block_tables[rid] = []
+        for block_id in hits:
+            if ref_counts[block_id] == 0:
+                del free_queue[block_id]
             ref_counts[block_id] += 1
             table.append(block_id)
+        if hits:
+            self._num_registered[rid] = len(hits)
+        for _ in range(num_missing):
+            block_id = self._take_free_block()
+            ref_counts[block_id] += 1
+            table.append(block_id)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, table, (num_computed + num_new_tokens))
         return True
+
+    def _take_free_block(self) -> int:
+        """The least recently freed block, its cached content (if any) evicted."""
+        block_id, _ = self.free_block_queue.popitem(last=False)
+        self._unregister(block_id)
+        return block_id
+
+    def _unregister(self, block_id: int) -> None:
+        h = self.block_hash[block_id]
+        if h is not None:
+            self.block_hash[block_id] = None
+            del self.cached_blocks[h]
+
+    def _register_full_blocks(self, request: Sequence, table: list[int], num_tokens: int) -> None:
+        """Register the table's blocks that `num_tokens` tokens fill, under their hashes."""
+        rid = request.request_id
+        start = self._num_registered.get(rid, 0)
+        full = num_tokens // self.block_size
+        if full <= start:
+            return
+        hashes = block_hashes(request, self.block_size, full)
+        cached, block_hash = self.cached_blocks, self.block_hash
+        for i in range(start, full):
+            h, block_id = hashes[i], table[i]
+            # Another request computed this very content at the same time: keep the first.
+            if h not in cached and block_hash[block_id] is None:
+                cached[h] = block_id
+                block_hash[block_id] = h
+        self._num_registered[rid] = full
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup (tokens asked for, tokens hit)."""
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
 
     def free(self, request: Sequence) -> None:
         """Drop the request's hold on every block in its table.
 
-        A block whose ref count reaches 0 goes back to the free queue. Idempotent: a request
-        that holds no blocks (never allocated, or already freed) is a no-op.
+        A block whose ref count reaches 0 goes back to the free queue (keeping its cached
+        content, if any, until the block is reused). Idempotent: a request that holds no
+        blocks (never allocated, or already freed) is a no-op.
         """
         table = self.block_tables.pop(request.request_id, None)
+        num_registered = self._num_registered.pop(request.request_id, 0)
         if table is None:
             return
+        # Blocks registered for a step that has not run yet (the request is preempted or
+        # aborted while being scheduled) hold no K/V: unregister them.
+        for i in range(request.num_computed_tokens // self.block_size, num_registered):
+            self._unregister(table[i])
         ref_counts = self.ref_counts
         free_queue = self.free_block_queue
         # Tail first: the last blocks of a sequence are the least likely to be shared as a
-        # prefix, so with prefix caching they should be the first to be reused.
+        # prefix, so they are the first to be reused.
         for block_id in reversed(table):
             ref_counts[block_id] -= 1
             if ref_counts[block_id] == 0:
-                free_queue.append(block_id)
+                free_queue[block_id] = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (e.g. after a step failed and its K/V is unknown).
+
+        Blocks stay where they are (held or free); only their hashes go. Returns how many
+        registrations were dropped.
+        """
+        n = len(self.cached_blocks)
+        self.cached_blocks.clear()
+        self.block_hash = [None] * self._num_blocks
+        for rid in self._num_registered:
+            self._num_registered[rid] = len(self.block_tables.get(rid, ()))
+        return n
 
     def get_block_table(self, request_id: str) -> list[int]:
         """The request's block table (logical -> physical block id); empty if it holds none.

@@ -56,7 +56,9 @@ class Scheduler:
             )
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.policy = make_policy(config.scheduler, config, self.block_manager)
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
@@ -127,6 +129,7 @@ class Scheduler:
         scheduled: list[Sequence] = []
         num_scheduled: dict[str, int] = {}
         preempted_ids: list[str] = []
+        admitted: list[Sequence] = []
         running = self.running
         now = self.clock()
         if self._deadlines and self._deadlines[0][0] <= now:
@@ -180,7 +183,7 @@ class Scheduler:
         ):
             # Requests the policy just preempted are not re-admitted in the same step.
             skip = set(preempted_ids)
-            budget = self._admit(budget, scheduled, num_scheduled, now, skip)
+            budget = self._admit(budget, scheduled, num_scheduled, admitted, now, skip)
 
         get_table = self.block_manager.get_block_table
         finished_ids, self._finished_ids = self._finished_ids, []
@@ -191,6 +194,7 @@ class Scheduler:
             block_tables={r.request_id: get_table(r.request_id) for r in scheduled},
             preempted_request_ids=preempted_ids,
             finished_request_ids=finished_ids,
+            admitted=admitted,
         )
 
     def _admit(
@@ -198,12 +202,14 @@ class Scheduler:
         budget: int,
         scheduled: list[Sequence],
         num_scheduled: dict[str, int],
+        admitted: list[Sequence],
         now: float,
         skip: set[str],
     ) -> int:
-        """Admit waiting requests in policy order, except `skip` ids; returns the budget left."""
+        """Admit waiting requests in policy order, except `skip` ids, appending them to
+        `scheduled` and `admitted`; returns the budget left."""
         running = self.running
-        admitted: list[Sequence] = []
+        bm = self.block_manager
         # The loop below consumes at most `seats + len(skip)` candidates: each one is either
         # skipped (a `skip` id, each in waiting once), admitted (taking a seat) or ends it.
         # So the policy's first that many in admission order give the same admissions.
@@ -213,10 +219,18 @@ class Scheduler:
                 break
             if req.request_id in skip:
                 continue
-            # Waiting requests hold nothing; a preempted one recomputes prompt + outputs.
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.block_manager.allocate_slots(req, n):
+            # Waiting requests hold nothing; a preempted one recomputes prompt + outputs, both
+            # minus what the prefix cache still holds (their own freed blocks included).
+            hits = bm.get_computed_blocks(req)
+            num_cached = len(hits) * bm.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not bm.allocate_slots(req, n, hits):
                 break
+            if bm.enable_prefix_caching:
+                bm.record_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:  # the first admission's hits are the ones reported
+                req.num_cached_tokens = num_cached
             req.status = SequenceStatus.RUNNING
             req.admitted_at = now
             running.append(req)

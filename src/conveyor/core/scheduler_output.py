@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from conveyor.core.sequence import Sequence
 
@@ -26,3 +26,5 @@ class SchedulerOutput:
     preempted_request_ids: list[str]
     # Finished for any reason since the previous schedule(): drop per-request state.
     finished_request_ids: list[str]
+    # Joined `running` in this step (new, or back after preemption); the tail of `scheduled`.
+    admitted: list[Sequence] = field(default_factory=list)

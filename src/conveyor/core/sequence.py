@@ -53,10 +53,12 @@ class Sequence:
         "abort_reason",
         "admitted_at",
         "arrival_time",
+        "block_hashes",
         "deadline_at",
         "eos_token_id",
         "fault",
         "max_tokens",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "output_token_ids",
@@ -92,6 +94,10 @@ class Sequence:
         self.deadline_at = math.inf if deadline is None else self.arrival_time + deadline
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Prompt tokens its first admission found in the prefix cache (-1 until admitted).
+        self.num_cached_tokens = -1
+        # Chained hashes of its full blocks so far (the block manager fills it lazily).
+        self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
         self.status = SequenceStatus.WAITING
         # The token id or stop string that ended the request, as vLLM reports it.

@@ -32,6 +32,12 @@ class EngineConfig:
     # KV memory when num_kv_blocks is None; None: 1 GiB (1/8 GiB for the demo model). Never
     # more blocks than max_num_seqs sequences of max_model_len tokens can use.
     kv_cache_space_gb: float | None = None
+    # CUDA, with neither num_kv_blocks nor kv_cache_space_gb given: the fraction of the
+    # device's memory the engine may use (weights, activations and KV cache), as vLLM's.
+    gpu_memory_utilization: float = 0.9
+    # Reuse the K/V of full blocks whose tokens (and every token before them) were computed
+    # before: shared system prompts, conversation history, n > 1 samples of one prompt.
+    enable_prefix_caching: bool = True
     max_model_len: int | None = None
     attention_backend: str = "auto"
     # GEMMs: "onednn" (weights prepacked once for oneDNN; the default on CPU in float32),
@@ -64,6 +70,13 @@ class EngineConfig:
             check_positive_int("max_model_len", self.max_model_len)
         if self.kv_cache_space_gb is not None:
             check_number("kv_cache_space_gb", self.kv_cache_space_gb, "> 0", lambda v: v > 0)
+        check_number(
+            "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]", lambda v: 0 < v <= 1
+        )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}."
+            )
         # Here, not when the scheduler is built: that comes after the weights and the KV cache.
         # (Imported late: core/policies.py imports this module.)
         from conveyor.core.policies import available_policies

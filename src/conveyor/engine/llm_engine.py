@@ -21,7 +21,7 @@ from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.output_state import OutputState, RequestState
-from conveyor.engine.outputs import RequestMetrics, RequestOutput
+from conveyor.engine.outputs import Metric, RequestMetrics, RequestOutput
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from conveyor.model.checkpoint import check_checkpoint
 from conveyor.model.runner import ModelRunner
@@ -57,6 +57,10 @@ class LLMEngine:
         # What the current step scheduled (None until schedule() returned), for abort_step().
         self._step_scheduled: list[Sequence] | None = None
         self.last_step_num_tokens = 0  # tokens the latest step computed (prefill + decode)
+        # Counted as the server's /metrics counts them: a request's prompt with its first
+        # token, every sampled token.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -164,6 +168,8 @@ class LLMEngine:
             the final output (finish_reason "abort") of each aborted request.
         """
         scheduled, self._step_scheduled = self._step_scheduled, None
+        # What the failed step should have written into the blocks it registered is unknown.
+        self.scheduler.block_manager.reset_prefix_cache()
         if scheduled is None:
             ids = list(self._parents)
         else:
@@ -174,6 +180,26 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges now, under the names /metrics gives them."""
+        s = self.scheduler
+        bm = s.block_manager
+        counters = {
+            "conveyor:prompt_tokens": self.num_prompt_tokens,
+            "conveyor:generation_tokens": self.num_generation_tokens,
+            "conveyor:num_preemptions": s.num_preemptions,
+            "conveyor:prefix_cache_queries": bm.prefix_cache_queries,
+            "conveyor:prefix_cache_hits": bm.prefix_cache_hits,
+        }
+        gauges = {
+            "conveyor:num_requests_running": s.num_running,
+            "conveyor:num_requests_waiting": s.num_waiting,
+            "conveyor:kv_cache_usage_perc": s.kv_usage,
+        }
+        return [Metric(k, "counter", float(v)) for k, v in counters.items()] + [
+            Metric(k, "gauge", float(v)) for k, v in gauges.items()
+        ]
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._parents)
@@ -195,11 +221,10 @@ class LLMEngine:
         if sched_out.total_num_scheduled_tokens == 0:
             return expired
         now = time.monotonic()
-        for req in sched_out.scheduled:
-            if req.num_computed_tokens == 0:  # admitted now (or recomputing after preemption)
-                m = self._parents[self._seqs[req.request_id].parent_id].metrics
-                if m.first_scheduled_time is None:
-                    m.first_scheduled_time = now
+        for req in sched_out.admitted:  # new, or back after preemption
+            m = self._parents[self._seqs[req.request_id].parent_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
         sampled, sampler_out = self.runner.execute(sched_out)
         if sampler_out is None:
             self.scheduler.update_from_output(sched_out, {})
@@ -234,9 +259,11 @@ class LLMEngine:
                 continue
             touched[seq.parent_id] = self._parents[seq.parent_id]
         now = time.monotonic()
+        self.num_generation_tokens += len(updated)
         for parent in touched.values():
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
+                self.num_prompt_tokens += len(parent.prompt_token_ids)
             if parent.finished:
                 parent.metrics.finished_time = now
                 outputs.append(parent.output())

@@ -109,4 +109,5 @@ class RequestState:
             [s.completion(self.delta) for s in self.seqs],
             finished=self.finished,
             metrics=self.metrics,
+            num_cached_tokens=max(self.seqs[0].request.num_cached_tokens, 0),
         )

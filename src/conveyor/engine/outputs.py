@@ -61,6 +61,9 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     metrics: RequestMetrics | None = None
+    # Prompt tokens whose K/V came from the prefix cache (of the first sample, the one that
+    # stands for the prompt when n > 1), as vLLM reports it.
+    num_cached_tokens: int = 0
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a later delta output of the same request into this one (like vLLM's `add`).
@@ -92,3 +95,13 @@ class RequestOutput:
         self.finished = delta.finished
         self.error = delta.error
         self.metrics = delta.metrics
+        self.num_cached_tokens = delta.num_cached_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class Metric:
+    """One of the engine's counters or gauges (`LLM.get_metrics()`), named as on /metrics."""
+
+    name: str
+    kind: str  # "counter" (cumulative since start) or "gauge" (current value)
+    value: float

@@ -342,6 +342,7 @@ class AsyncLLM:
         self.metrics.record_step(
             stats.num_tokens, stats.num_running, stats.num_waiting, stats.kv_usage,
             stats.num_preemptions, stats.step_time_s,
+            stats.prefix_cache_queries, stats.prefix_cache_hits,
         )  # fmt: skip
         self.metrics.maybe_log(now)
 

@@ -25,6 +25,9 @@ class StepStats:
     kv_usage: float
     num_preemptions: int
     step_time_s: float = 0.0  # how long engine.step() ran; 0 when no step ran
+    # Cumulative prefix-cache lookups of admitted requests, in tokens: asked for, found.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineClient(Protocol):

@@ -180,6 +180,8 @@ class EngineThread:
 
     def _stats(self, num_tokens: int, step_time_s: float = 0.0) -> StepStats:
         s = self.engine.scheduler
+        bm = s.block_manager
         return StepStats(
-            num_tokens, s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions, step_time_s
-        )
+            num_tokens, s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions, step_time_s,
+            bm.prefix_cache_queries, bm.prefix_cache_hits,
+        )  # fmt: skip

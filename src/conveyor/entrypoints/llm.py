@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.outputs import Metric, RequestOutput
 from conveyor.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -31,6 +31,12 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters (tokens, preemptions, prefix-cache queries and hits) and
+        gauges (running, waiting, KV cache usage), named as the server's /metrics names them.
+        """
+        return self.llm_engine.get_metrics()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

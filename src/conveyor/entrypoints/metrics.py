@@ -80,6 +80,23 @@ class EngineMetrics:
         self.preemptions = labeled(
             Counter("conveyor:num_preemptions", "Preemptions (recompute).", name, registry=reg)
         )
+        # vLLM's names: tokens the prefix cache was asked for / found, at admission.
+        self.prefix_cache_queries = labeled(
+            Counter(
+                "conveyor:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                name,
+                registry=reg,
+            )
+        )
+        self.prefix_cache_hits = labeled(
+            Counter(
+                "conveyor:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                name,
+                registry=reg,
+            )
+        )
         self._success = Counter(
             "conveyor:request_success",
             "Finished sequences by finish reason.",
@@ -138,6 +155,8 @@ class EngineMetrics:
         self._logged_prompt = self._logged_generation = 0
         self._busy_s = 0.0  # engine step time since the last log line
         self._num_preemptions = 0
+        self._prefix_queries = self._prefix_hits = 0  # cumulative, as the engine reports them
+        self._logged_queries = self._logged_hits = 0
         self._state = (0, 0, 0.0)  # running, waiting, kv usage
 
     def record_step(
@@ -148,6 +167,8 @@ class EngineMetrics:
         kv_usage: float,
         num_preemptions: int,
         step_time_s: float = 0.0,
+        prefix_cache_queries: int = 0,
+        prefix_cache_hits: int = 0,
     ) -> None:
         """Record one engine step (num_tokens == 0: only refresh the gauges).
 
@@ -156,6 +177,8 @@ class EngineMetrics:
             num_running, num_waiting, kv_usage: the scheduler's state after the step.
             num_preemptions: the scheduler's cumulative preemption count.
             step_time_s: how long the step ran (0: no step, e.g. an emit of aborts only).
+            prefix_cache_queries, prefix_cache_hits: the engine's cumulative prefix-cache
+                lookups, in tokens.
         """
         self._busy_s += step_time_s
         if num_tokens:
@@ -163,6 +186,10 @@ class EngineMetrics:
         if num_preemptions > self._num_preemptions:
             self.preemptions.inc(num_preemptions - self._num_preemptions)
             self._num_preemptions = num_preemptions
+        if prefix_cache_queries > self._prefix_queries:
+            self.prefix_cache_queries.inc(prefix_cache_queries - self._prefix_queries)
+            self.prefix_cache_hits.inc(prefix_cache_hits - self._prefix_hits)
+            self._prefix_queries, self._prefix_hits = prefix_cache_queries, prefix_cache_hits
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
@@ -220,6 +247,9 @@ class EngineMetrics:
         running, waiting, kv = self._state
         self._last_log, self._busy_s = now, 0.0
         self._logged_prompt, self._logged_generation = self._prompt_total, self._generation_total
+        queries = self._prefix_queries - self._logged_queries
+        hits = self._prefix_hits - self._logged_hits
+        self._logged_queries, self._logged_hits = self._prefix_queries, self._prefix_hits
         if not (prompt or generation or busy or running or waiting):
             return  # idle: nothing to report
         # Requests queued but no step ran: a stalled engine, shown as 0 tokens/s.
@@ -227,12 +257,13 @@ class EngineMetrics:
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-            "Engine busy: %.2f s of %.1f s",
+            "Prefix cache hit rate: %.1f%%, Engine busy: %.2f s of %.1f s",
             prompt * rate,
             generation * rate,
             running,
             waiting,
             100 * kv,
+            100 * hits / queries if queries else 0.0,
             busy,
             elapsed,
         )

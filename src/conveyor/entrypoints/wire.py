@@ -49,7 +49,7 @@ def pack_output(out: RequestOutput) -> tuple[Any, ...]:
     if m is not None:
         metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time)
     completions = [_pack_completion(c) for c in out.outputs]
-    return (out.request_id, completions, out.finished, out.error, metrics)
+    return (out.request_id, completions, out.finished, out.error, metrics, out.num_cached_tokens)
 
 
 def _pack_completion(c: CompletionOutput) -> tuple[Any, ...]:
@@ -67,7 +67,7 @@ def _pack_completion(c: CompletionOutput) -> tuple[Any, ...]:
 
 def unpack_output(packed: tuple[Any, ...]) -> RequestOutput:
     """The RequestOutput `pack_output` packed, with prompt None and no prompt ids."""
-    request_id, completions, finished, error, metrics = packed
+    request_id, completions, finished, error, metrics, num_cached = packed
     outputs = []
     for index, text, ids, cumulative, logprobs, *ends in completions:
         if logprobs is not None:
@@ -75,7 +75,7 @@ def unpack_output(packed: tuple[Any, ...]) -> RequestOutput:
         outputs.append(CompletionOutput(index, text, ids, cumulative, logprobs, *ends))
     if metrics is not None:
         metrics = RequestMetrics(*metrics)
-    return RequestOutput(request_id, None, [], outputs, finished, error, metrics)
+    return RequestOutput(request_id, None, [], outputs, finished, error, metrics, num_cached)
 
 
 def picklable(exc: Exception) -> Exception:

@@ -32,6 +32,7 @@ from conveyor.model.kv_cache import (
     kv_cache_bytes_per_block,
     kv_cache_memory_error,
 )
+from conveyor.model.kv_sizing import log_kv_cache, profile_cuda_kv_bytes
 from conveyor.model.linear import pack_linears, resolve_linear_backend
 from conveyor.model.llama import ModelConfig
 from conveyor.model.loader import (
@@ -95,15 +96,23 @@ class ModelRunner:
         self.kv_cache_space_gb = config.kv_cache_space_gb or (
             DEMO_KV_CACHE_SPACE_GB if config.model is None else DEFAULT_KV_CACHE_SPACE_GB
         )
+        # Blocks beyond what max_num_seqs sequences of max_model_len tokens hold at once
+        # could never be used: do not allocate them.
+        most = config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+        # CUDA with no size given: from what the weights and a profiling forward leave.
+        profile = (
+            self.device.type == "cuda"
+            and config.num_kv_blocks is None
+            and config.kv_cache_space_gb is None
+        )
         if config.num_kv_blocks is not None:
             self.num_kv_blocks = config.num_kv_blocks
         else:
             budget = int(self.kv_cache_space_gb * (1 << 30))
-            # Blocks beyond what max_num_seqs sequences of max_model_len tokens hold at once
-            # could never be used: do not allocate them.
-            most = config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
             self.num_kv_blocks = max(1, min(budget // bytes_per_block, most))
-        self._check_kv_cache_fits(bytes_per_block, config)
+        if not profile:
+            self._fit_context_to_cache(config)
+            self._check_kv_cache_fits(bytes_per_block, config)
         # Before the weights load, so an impossible choice is reported at once.
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         self.model = load_model(
@@ -113,6 +122,21 @@ class ModelRunner:
             pack_linears(self.model)
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
+        if profile:
+            kv_bytes = profile_cuda_kv_bytes(
+                self.model, self.device, self.dtype, config.max_num_batched_tokens,
+                self.block_size, config.gpu_memory_utilization, kv_dtype,
+            )  # fmt: skip
+            if kv_bytes < bytes_per_block:
+                raise ValueError(
+                    "no GPU memory is left for the KV cache after the weights and a forward "
+                    f"of max_num_batched_tokens={config.max_num_batched_tokens} tokens at "
+                    f"gpu_memory_utilization={config.gpu_memory_utilization:g}: raise "
+                    "--gpu-memory-utilization, lower --max-num-batched-tokens, or set "
+                    "--num-kv-blocks."
+                )
+            self.num_kv_blocks = min(kv_bytes // bytes_per_block, most)
+            self._fit_context_to_cache(config)
         self._check_kv_cache_fits(bytes_per_block, config)  # again: the weights took some
         try:
             self.kv_caches = allocate_kv_caches(
@@ -120,14 +144,39 @@ class ModelRunner:
             )
         except (RuntimeError, MemoryError) as exc:  # CPU "can't allocate memory", CUDA OOM
             raise self._kv_memory_error(bytes_per_block, config) from exc
-        logger.info(
-            "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
+        log_kv_cache(
             self.num_kv_blocks,
             self.block_size,
             "int8" if kv_dtype == "int8" else str(self.dtype).removeprefix("torch."),
             self.num_kv_blocks * bytes_per_block / 2**20,
+            self.max_model_len,
         )
         self.sampler = FiniteLogitsGuard(Sampler(self.vocab_size, config.seed, self.device))
+
+    def _fit_context_to_cache(self, config: EngineConfig) -> None:
+        """As vLLM: the effective max_model_len is the model's context capped by what the KV
+        cache holds for one request, so that a long-context model with a small cache still
+        serves what fits (and max_tokens defaults to what that leaves). An explicit
+        max_model_len beyond the cache is a start-up error."""
+        capacity = self.num_kv_blocks * self.block_size
+        if self.max_model_len <= capacity:
+            return
+        if config.max_model_len is not None:
+            room = "--kv-cache-space-gb or --num-kv-blocks"
+            if self.device.type == "cuda":
+                room += " (or --gpu-memory-utilization)"
+            raise ValueError(
+                f"max_model_len {self.max_model_len} is more than the KV cache holds for one "
+                f"request ({self.num_kv_blocks} blocks of {self.block_size} = {capacity} "
+                f"tokens): lower --max-model-len, or give the cache more room with {room}."
+            )
+        logger.info(
+            "max_model_len %d: what the KV cache holds for one request (the model's context "
+            "is %d; --max-model-len or a larger cache changes it).",
+            capacity,
+            self.max_model_len,
+        )
+        self.max_model_len = capacity
 
     def _check_kv_cache_fits(self, bytes_per_block: int, config: EngineConfig) -> None:
         available = available_memory_bytes(self.device)

@@ -95,7 +95,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         id=request_id,
         model=ctx.model_name,
         choices=choices,
-        usage=usage(len(prompt_ids), num_generated),
+        usage=usage(len(prompt_ids), num_generated, final.num_cached_tokens),
     )
     return JSONResponse(body.model_dump())
 
@@ -152,6 +152,9 @@ class _ChatEvents:
 
     def usage(self, num_generated: int) -> str:
         return self._chunks.usage(num_generated)
+
+    def set_cached_tokens(self, num_cached: int) -> None:
+        self._chunks.num_cached_tokens = num_cached
 
 
 def chat_logprobs(

@@ -35,6 +35,9 @@ class ChoiceEvents(Protocol):
     def usage(self, num_generated: int) -> str:
         """The last event of a stream that includes usage."""
 
+    def set_cached_tokens(self, num_cached: int) -> None:
+        """Prompt tokens the prefix cache held, over all prompts (for the usage it sends)."""
+
 
 def usage_flags(opts: StreamOptions | None) -> tuple[bool, bool]:
     """Whether a stream ends with usage, and whether every choice event carries it too.
@@ -73,7 +76,11 @@ async def stream_choices(
     echoed = [echo_texts is None] * num_choices
     finished = [False] * num_choices
     num_generated = 0
+    cached = [0] * len(streams)
     async for i, out in merge_streams(streams):
+        if out.num_cached_tokens != cached[i]:
+            cached[i] = out.num_cached_tokens
+            events.set_cached_tokens(sum(cached))
         for c in out.outputs:
             index = i * n + c.index
             if finished[index]:

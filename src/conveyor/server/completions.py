@@ -106,7 +106,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
         id=request_id,
         model=ctx.model_name,
         choices=choices,
-        usage=usage(num_prompt_tokens, num_generated),
+        usage=usage(
+            num_prompt_tokens, num_generated, sum(f.num_cached_tokens for f in finals if f)
+        ),
     )
     return JSONResponse(body.model_dump())
 
@@ -169,6 +171,9 @@ class _CompletionEvents:
 
     def usage(self, num_generated: int) -> str:
         return self._chunks.usage(num_generated)
+
+    def set_cached_tokens(self, num_cached: int) -> None:
+        self._chunks.num_cached_tokens = num_cached
 
 
 def completion_logprobs(

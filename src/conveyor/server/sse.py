@@ -79,6 +79,9 @@ class _Chunks:
         self._fields = {"id": request_id, "created": created, "model": model}
         self._num_prompt_tokens = num_prompt_tokens
         self._continuous_usage = continuous_usage
+        # Prompt tokens the prefix cache held, as known so far (the engine reports it with
+        # a request's first output); `usage` reports it.
+        self.num_cached_tokens = 0
         empty = sse(self.chunk_type(**self._fields, choices=[]))
         assert empty.endswith(_CHOICES_END)  # `choices` is the last field that is set
         self._head = empty[: -len(_CHOICES_END)]
@@ -94,7 +97,8 @@ class _Chunks:
         p = self._num_prompt_tokens
         counts = (
             f'{{"prompt_tokens":{p},"total_tokens":{p + num_generated},'
-            f'"completion_tokens":{num_generated}}}'
+            f'"completion_tokens":{num_generated},'
+            f'"prompt_tokens_details":{{"cached_tokens":{self.num_cached_tokens}}}}}'
         )
         return f'{self._head}{choice}],"usage":{counts}}}\n\n'
 
@@ -105,7 +109,7 @@ class _Chunks:
         """The slow path: the chunk as a model, through `sse()`."""
         chunk = self.chunk_type(**self._fields, choices=[choice])
         if self._continuous_usage:
-            chunk.usage = usage(self._num_prompt_tokens, num_generated)
+            chunk.usage = usage(self._num_prompt_tokens, num_generated, self.num_cached_tokens)
         return sse(chunk)
 
 

@@ -82,6 +82,9 @@ def simulate(
         config = dataclasses.replace(config, **config_kwargs)
     else:
         config = dataclasses.replace(config)
+    # A trace has lengths, not token ids (every simulated prompt is the same token repeated),
+    # so a prefix cache would find hits that real prompts would not: it stays off here.
+    config.enable_prefix_caching = False
     cost = StepCost() if cost is None else cost
     if not trace:
         raise ValueError("the trace has no requests.")
