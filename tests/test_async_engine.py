@@ -193,13 +193,18 @@ def test_stats_log_line_reports_throughput_while_busy(caplog) -> None:
     )
     assert metrics.record_output(out, 2, None, now=1.0) == 1.0
     metrics.record_step(
-        2, num_running=1, num_waiting=3, kv_usage=0.25, num_preemptions=0, step_time_s=2.0
-    )
+        2, num_running=1, num_waiting=3, kv_usage=0.25, num_preemptions=0, step_time_s=2.0,
+        prefix_cache_queries=64, prefix_cache_hits=16,
+    )  # fmt: skip
     with caplog.at_level("INFO", logger="conveyor.stats"):
         metrics.maybe_log(metrics._last_log + 2.0)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "prompt throughput: 1.0 tokens/s" in line and "generation throughput: 1.0" in line
     assert "Running: 1 reqs, Waiting: 3 reqs, KV cache usage: 25.0%" in line
+    assert "Prefix cache hit rate: 25.0%" in line  # of this interval's lookups (tokens)
+    text = metrics.render().decode()
+    assert 'conveyor:prefix_cache_queries_total{model_name="m"} 64.0' in text
+    assert 'conveyor:prefix_cache_hits_total{model_name="m"} 16.0' in text
 
 
 def test_stats_log_line_rates_are_over_busy_time_and_idle_intervals_log_nothing(caplog) -> None:

@@ -160,3 +160,34 @@ def test_bad_prefix_caching_settings_are_refused() -> None:
         EngineConfig(enable_prefix_caching="yes")
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
         EngineConfig(gpu_memory_utilization=1.5)
+
+
+def test_the_cuda_profile_runs_one_forward_and_sizes_from_what_is_left(monkeypatch) -> None:
+    # No GPU here: torch.cuda's memory calls are faked; the profiling forward itself runs
+    # for real (on CPU) with its throwaway cache.
+    import torch
+
+    from conveyor.model import kv_sizing
+    from conveyor.model.demo import demo_model_path
+    from conveyor.model.loader import load_model
+
+    calls = []
+    fake = {
+        "synchronize": lambda *a: calls.append("sync"),
+        "reset_peak_memory_stats": lambda *a: calls.append("reset"),
+        "max_memory_allocated": lambda *a: 700,
+        "memory_allocated": lambda *a: 500,
+        "empty_cache": lambda: calls.append("empty"),
+        "mem_get_info": lambda *a: (400, 1000),
+    }
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    model = load_model(str(demo_model_path()), torch.float32, torch.device("cpu"))
+    forwards = []
+    model.register_forward_hook(lambda m, args, out: forwards.append(args[0].shape))
+    got = kv_sizing.profile_cuda_kv_bytes(
+        model, torch.device("cpu"), torch.float32, 48, 16, 0.9, "auto"
+    )
+    assert forwards == [torch.Size([48])]  # one forward of the whole token budget
+    assert got == kv_sizing.kv_bytes_from_profile(1000, 400, 700 - 500, 0.9) == 100
+    assert calls[:2] == ["sync", "reset"] and "empty" in calls
