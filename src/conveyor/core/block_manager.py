@@ -70,10 +70,9 @@ def block_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]
     """
     hashes = seq.block_hashes
     if len(hashes) < num_blocks:
-        tokens = seq.all_token_ids  # one concatenation for all the blocks hashed now
         parent = hashes[-1] if hashes else _ROOT_HASH
         for i in range(len(hashes), num_blocks):
-            parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size])
+            parent = hash_block(parent, seq.token_slice(i * block_size, (i + 1) * block_size))
             hashes.append(parent)
     return hashes
 

@@ -227,7 +227,7 @@ class ModelRunner:
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
             end = start + n
-            token_ids.extend(_token_slice(req, start, end))
+            token_ids.extend(req.token_slice(start, end))
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(out.block_tables[req.request_id])
@@ -242,13 +242,3 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         return input_ids, meta, rows, sampled
-
-
-def _token_slice(req: Sequence, start: int, end: int) -> list[int]:
-    """Tokens [start, end) of prompt + output without concatenating the two lists."""
-    num_prompt = req.num_prompt_tokens
-    if start >= num_prompt:
-        return req.output_token_ids[start - num_prompt : end - num_prompt]
-    if end <= num_prompt:
-        return req.prompt_token_ids[start:end]
-    return req.prompt_token_ids[start:] + req.output_token_ids[: end - num_prompt]

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.sampling_params import MAX_LOGPROBS
-from conveyor.server.choice_stream import stream_choices, usage_flags
+from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_flags
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import ChatCompletionRequest
@@ -117,7 +117,7 @@ def _stream(
     return stream_choices(events, [stream], n, include_usage)
 
 
-class _ChatEvents:
+class _ChatEvents(ChunkEvents):
     """The events of /v1/chat/completions (a `ChoiceEvents`): each choice opens with its
     role, and a last event without text has an empty delta."""
 
@@ -149,12 +149,6 @@ class _ChatEvents:
         return self._chunks.choice(
             index, content, logprobs, output.finish_reason, stop_reason(output), num_generated
         )
-
-    def usage(self, num_generated: int) -> str:
-        return self._chunks.usage(num_generated)
-
-    def set_cached_tokens(self, num_cached: int) -> None:
-        self._chunks.num_cached_tokens = num_cached
 
 
 def chat_logprobs(

@@ -9,11 +9,14 @@ stream, how a choice's text and logprobs are sent) is the `ChoiceEvents` each pa
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.protocol import StreamOptions
 from conveyor.server.streaming import merge_streams
+
+if TYPE_CHECKING:
+    from conveyor.server.sse import _Chunks
 
 
 class ChoiceEvents(Protocol):
@@ -37,6 +40,20 @@ class ChoiceEvents(Protocol):
 
     def set_cached_tokens(self, num_cached: int) -> None:
         """Prompt tokens the prefix cache held, over all prompts (for the usage it sends)."""
+
+
+class ChunkEvents:
+    """What both endpoints' `ChoiceEvents` do alike: the usage event and the cached-token
+    count belong to their chunk encoder (`self._chunks`, a conveyor.server.sse chunk class
+    the subclass builds)."""
+
+    _chunks: _Chunks
+
+    def usage(self, num_generated: int) -> str:
+        return self._chunks.usage(num_generated)
+
+    def set_cached_tokens(self, num_cached: int) -> None:
+        self._chunks.num_cached_tokens = num_cached
 
 
 def usage_flags(opts: StreamOptions | None) -> tuple[bool, bool]:

@@ -9,7 +9,7 @@ from functools import partial
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from conveyor.server.choice_stream import stream_choices, usage_flags
+from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_flags
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.offload import INLINE_TOKENS, maybe_off_loop
@@ -137,7 +137,7 @@ def _stream(
     return stream_choices(events, streams, n, include_usage, echo_texts)
 
 
-class _CompletionEvents:
+class _CompletionEvents(ChunkEvents):
     """The events of /v1/completions (a `ChoiceEvents`): text as it comes, logprobs whose
     text offsets run on over a choice's events."""
 
@@ -168,12 +168,6 @@ class _CompletionEvents:
         return self._chunks.choice(
             index, text, logprobs, output.finish_reason, stop_reason(output), num_generated
         )
-
-    def usage(self, num_generated: int) -> str:
-        return self._chunks.usage(num_generated)
-
-    def set_cached_tokens(self, num_cached: int) -> None:
-        self._chunks.num_cached_tokens = num_cached
 
 
 def completion_logprobs(
