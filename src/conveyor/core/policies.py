@@ -105,6 +105,10 @@ class SchedulingPolicy(ABC):
         """
         del req, pos
 
+    def on_dequeue(self, req: Sequence) -> None:
+        """`req` left `waiting` (admitted, or finished while waiting). Ignored by default."""
+        del req
+
     def select_victim(self, running: list[Sequence]) -> Sequence:
         """The running request to preempt (recompute) when blocks run out.
 

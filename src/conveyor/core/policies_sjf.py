@@ -21,29 +21,68 @@ that were already running.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import abc
 from collections.abc import Callable
 
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies import SchedulingPolicy, register_policy
+from conveyor.core.rank_index import RankIndex, remaining
 from conveyor.core.sequence import Sequence
 from conveyor.engine.config import EngineConfig
 
-
-def remaining(req: Sequence) -> int:
-    """Expected remaining output tokens of `req` (at least 1)."""
-    return max(1, req.expected_output_tokens - len(req.output_token_ids))
+__all__ = ["LengthAwarePolicy", "PreemptiveSjfPolicy", "SjfPolicy", "remaining"]
 
 
 @register_policy
 class SjfPolicy(SchedulingPolicy):
-    """Shortest expected remaining output first, with aging (see the module docstring)."""
+    """Shortest expected remaining output first, with aging (see the module docstring).
+
+    `order_waiting` sorts the queue and is the definition; with a scheduler feeding
+    on_enqueue / on_dequeue, admission reads the same order from a RankIndex instead
+    (conveyor.core.rank_index) at a cost that does not grow with the queue.
+    """
 
     name = "sjf"
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
         super().__init__(config, block_manager)
         self.aging_bound_s = config.aging_bound_s
+        self._index: RankIndex | None = None
+
+    def _new_index(self) -> RankIndex:
+        # In a bucket (one remaining length) rank grows with arrival while aging runs; with
+        # aging off it is the remaining length itself, so deadline and arrival decide.
+        aging = self.aging_bound_s != math.inf
+        in_bucket = _arrival_deadline if aging else _deadline_arrival
+        return RankIndex(in_bucket, _deadline_arrival, self.aging_bound_s)
+
+    def on_enqueue(self, req: Sequence, pos: int) -> None:
+        if self._index is None:
+            self._index = self._new_index()
+        self._index.add(req, pos)
+
+    def on_dequeue(self, req: Sequence) -> None:
+        if self._index is not None:
+            self._index.remove(req)
+
+    def admission_candidates(
+        self,
+        waiting: abc.Sequence[Sequence],
+        now: float,
+        running: abc.Sequence[Sequence],
+        limit: int,
+    ) -> abc.Sequence[Sequence]:
+        index = self._index
+        if index is None:
+            return self.order_waiting(waiting, now, running)
+        index.promote(now)
+        limit = max(limit, 0)
+        out = [e[-1] for e in index.overdue[:limit]]
+        if len(out) < limit:
+            out.extend(itertools.islice(index.merged(self.rank_key(now)), limit - len(out)))
+        return out
 
     def rank_key(self, now: float) -> Callable[[Sequence], tuple[float, float, float]]:
         """The sort key of waiting requests at time `now`: (effective, deadline, arrival).
@@ -109,11 +148,16 @@ class PreemptiveSjfPolicy(SjfPolicy):
         # A seat frees by itself when the first running request ends: a candidate that would
         # not be done by then gains little from preempting anyone, so it waits instead.
         soonest = min(map(remaining, running))
-        shortest = min(map(remaining, waiting))
+        index = self._index
+        shortest = min(map(remaining, waiting)) if index is None else index.min_remaining()
         if shortest >= soonest or shortest > threshold * remaining(victims[0]):
-            return []  # the common case, in O(n)
+            return []  # the common case, in O(running)
+        # _plan_preemptions takes a candidate only for a seat (a free one or a victim's) and
+        # stops at the first that finds none, so it reads at most seats + victims + 1.
+        seats = max(0, self.max_num_seqs - len(running))
+        candidates = self.admission_candidates(waiting, now, running, seats + len(victims) + 1)
         return self._plan_preemptions(
-            self.order_waiting(waiting, now),
+            candidates,
             victims,
             running,
             lambda c, v: remaining(c) < soonest and remaining(c) <= threshold * remaining(v),
@@ -132,6 +176,39 @@ class LengthAwarePolicy(SjfPolicy):
     """
 
     name = "length-aware"
+
+    def _new_index(self) -> RankIndex:
+        return RankIndex(_deadline_arrival, _arrival_deadline, self.aging_bound_s)
+
+    def admission_candidates(
+        self,
+        waiting: abc.Sequence[Sequence],
+        now: float,
+        running: abc.Sequence[Sequence],
+        limit: int,
+    ) -> abc.Sequence[Sequence]:
+        """order_waiting's first `limit`, from the index: the same sums and the same picks,
+        with the shortest and longest ends walked from the buckets instead of a sorted list."""
+        index = self._index
+        if index is None:
+            return self.order_waiting(waiting, now, running)
+        index.promote(now)
+        limit = max(limit, 0)
+        out = [e[-1] for e in index.overdue[:limit]]
+        rest_n = len(index) - len(index.overdue)
+        if len(out) >= limit or not rest_n:
+            return out
+        batch_sum = sum(map(remaining, running)) + index.overdue_remaining
+        batch_n = len(running) + len(index.overdue)
+        target = (batch_sum + index.total_remaining - index.overdue_remaining) / (batch_n + rest_n)
+        shortest, longest = index.ascending(), index.descending()
+        for _ in range(min(limit - len(out), rest_n)):  # the two ends never cross
+            leans_long = batch_n == 0 or batch_sum > target * batch_n
+            pick = next(shortest) if leans_long else next(longest)
+            out.append(pick)
+            batch_sum += remaining(pick)
+            batch_n += 1
+        return out
 
     def order_waiting(
         self, waiting: abc.Sequence[Sequence], now: float, running: abc.Sequence[Sequence] = ()
@@ -160,3 +237,11 @@ class LengthAwarePolicy(SjfPolicy):
             batch_sum += remaining(pick)
             batch_n += 1
         return order
+
+
+def _arrival_deadline(r: Sequence) -> tuple[float, float]:
+    return (r.arrival_time, r.deadline_at)
+
+
+def _deadline_arrival(r: Sequence) -> tuple[float, float]:
+    return (r.deadline_at, r.arrival_time)

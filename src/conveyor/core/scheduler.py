@@ -25,7 +25,6 @@ import heapq
 import itertools
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 from conveyor.core.block_manager import BlockManager
@@ -33,6 +32,7 @@ from conveyor.core.limits import check_kv_fits
 from conveyor.core.policies import make_policy
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceStatus
+from conveyor.core.waiting_queue import WaitingQueue
 from conveyor.engine.config import EngineConfig
 
 
@@ -61,7 +61,8 @@ class Scheduler:
         )
         self.policy = make_policy(config.scheduler, config, self.block_manager)
         self.clock = clock
-        self.waiting: deque[Sequence] = deque()
+        # Queue positions (WaitingQueue) go to the policy with every enqueue (on_enqueue).
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         # Unfinished requests by id, for finish_requests().
         self.requests: dict[str, Sequence] = {}
@@ -72,10 +73,6 @@ class Scheduler:
         # dropped lazily when they reach the top.
         self._deadlines: list[tuple[float, int, Sequence]] = []
         self._deadline_seq = itertools.count()
-        # Queue positions handed to the policy (on_enqueue): the back counts up, the front
-        # down, so `waiting` is always in ascending position order (removals keep order).
-        self._back_pos = itertools.count()
-        self._front_pos = itertools.count(1)
 
     @property
     def num_waiting(self) -> int:
@@ -109,8 +106,7 @@ class Scheduler:
         )
         request.status = SequenceStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
-        self.policy.on_enqueue(request, next(self._back_pos))
+        self.policy.on_enqueue(request, self.waiting.append(request))
         deadline_at = request.deadline_at
         if deadline_at != math.inf:
             heapq.heappush(self._deadlines, (deadline_at, next(self._deadline_seq), request))
@@ -238,17 +234,9 @@ class Scheduler:
             scheduled.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
-        if admitted:
-            waiting = self.waiting
-            k = len(admitted)
-            if k <= len(waiting) and all(waiting[j] is admitted[j] for j in range(k)):
-                for _ in range(k):  # Queue order (FIFO): pop the head, O(k).
-                    waiting.popleft()
-            else:
-                gone = {id(r) for r in admitted}
-                kept = [r for r in waiting if id(r) not in gone]
-                waiting.clear()
-                waiting.extend(kept)
+        for req in admitted:  # O(1) each, wherever it stood in the queue
+            self.waiting.remove(req)
+            self.policy.on_dequeue(req)
         return budget
 
     def _expire_deadlines(self, now: float) -> None:
@@ -273,8 +261,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
-        self.policy.on_enqueue(req, -next(self._front_pos))
+        self.policy.on_enqueue(req, self.waiting.appendleft(req))
         preempted_ids.append(req.request_id)
 
     def update_from_output(
@@ -335,7 +322,7 @@ class Scheduler:
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status.name}.")
         finished: list[Sequence] = []
-        any_running = any_waiting = False
+        any_running = False
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:  # Unknown, or already finished.
@@ -343,16 +330,13 @@ class Scheduler:
             if req.status is SequenceStatus.RUNNING:
                 any_running = True
             else:
-                any_waiting = True
+                self.waiting.remove(req)
+                self.policy.on_dequeue(req)
             self._finish(req, status)
             finished.append(req)
-        # One filtering pass per queue, not one O(n) removal per request.
+        # One filtering pass over running, not one O(n) removal per request.
         if any_running:
             self.running[:] = [r for r in self.running if r.status is SequenceStatus.RUNNING]
-        if any_waiting:
-            kept = [r for r in self.waiting if not r.is_finished]
-            self.waiting.clear()
-            self.waiting.extend(kept)
         return finished
 
     def _finish(self, req: Sequence, status: SequenceStatus) -> None:
