@@ -13,6 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from conveyor.model.attention import (
+    CpuAttentionBackend,
     TorchAttentionBackend,
     build_attention_metadata,
     get_attention_backend,
@@ -174,7 +175,8 @@ def _dense_attention(q, k, v, ctx: int, scale: float) -> torch.Tensor:
         [(1, 2), (1, 3), (1, 4), (1, 24), (3, 7), (1, 2), (1, 4), (1, 3), (1, 1)],
     ],
 )
-def test_paged_attention_matches_dense_causal_attention(shapes):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_paged_attention_matches_dense_causal_attention(shapes, backend):
     hq, hkv, d, bs = 6, 2, 8, 4
     gen = torch.Generator().manual_seed(0)
     cache = torch.zeros(2, NUM_BLOCKS, bs, hkv, d)
@@ -191,8 +193,8 @@ def test_paged_attention_matches_dense_causal_attention(shapes):
     q = torch.randn(sum(q_lens), hq, d, generator=gen)
     k_new = torch.cat([k[s - n :] for (n, s), (k, _) in zip(shapes, full, strict=True)])
     v_new = torch.cat([v[s - n :] for (n, s), (_, v) in zip(shapes, full, strict=True)])
-    out = TorchAttentionBackend(torch.device("cpu")).forward(q, k_new, v_new, cache, meta, 0.3)
-    if len(shapes) == 9:
+    out = get_attention_backend(backend, "cpu").forward(q, k_new, v_new, cache, meta, 0.3)
+    if len(shapes) == 9 and backend == "torch":
         assert len(meta.backend_state.decode_groups) == 2  # the long decode attends alone
     start = 0
     for (n, s), (k, v) in zip(shapes, full, strict=True):
@@ -237,12 +239,14 @@ def test_config_reads_transformers4_rope_fields():
 
 def test_registry_and_backend_choice(monkeypatch):
     assert set(MODEL_REGISTRY) >= {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-    assert isinstance(get_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("auto", "cpu"), CpuAttentionBackend)
     assert isinstance(get_attention_backend("torch", "cpu"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        get_attention_backend("cpu", "cuda")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU Triton needs the interpreter
     with pytest.raises(ValueError, match=r"Triton's interpreter.*TRITON_INTERPRET=1"):
         get_attention_backend("triton", "cpu")
-    with pytest.raises(ValueError, match="auto, torch"):
+    with pytest.raises(ValueError, match="auto, torch, cpu"):
         get_attention_backend("flash", "cpu")
 
 

@@ -37,7 +37,7 @@ def test_import_works_beside_a_folder_named_conveyor(tmp_path):
     assert Path(result.stdout.strip()).parent.name == "conveyor"
 
 
-def test_wheel_installs_the_kernels_as_conveyor_kernels(tmp_path):
+def test_wheel_installs_the_kernels_as_conveyor_kernels_and_the_c_source(tmp_path):
     # Built from a clean copy: an in-tree build/ could carry stale modules into the wheel.
     src = tmp_path / "src"
     skip = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "tests", "docs")
@@ -52,3 +52,4 @@ def test_wheel_installs_the_kernels_as_conveyor_kernels(tmp_path):
     for module in ("__init__.py", "attention.py", "kv_write.py"):
         assert f"conveyor/kernels/{module}" in names
     assert not any(n.startswith("kernels/") for n in names)  # not a top-level package
+    assert "conveyor/model/csrc/decode_attention.c" in names  # built at run time

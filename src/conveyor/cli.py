@@ -105,7 +105,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--tokenizer", metavar="DIR", help="tokenizer folder (default: the model's)")
     add("--dtype", help="auto, float32, float16 or bfloat16")
     add("--device", help="auto, cpu or cuda")
-    add("--attention-backend", metavar="NAME", help="auto, torch or triton")
+    add("--attention-backend", metavar="NAME", help="auto, cpu, torch or triton")
     add("--linear-backend", metavar="NAME", help="GEMMs: auto, onednn (prepacked) or torch")
     add("--kv-cache-dtype", metavar="DTYPE", help="auto (the model's) or int8 (~2x the blocks)")
     add("--seed", type=int, help="engine seed for requests without their own")

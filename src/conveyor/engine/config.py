@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from conveyor.validation import check_choice, check_int, check_number, check_positive_int
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -14,8 +14,9 @@ Token position p of request b lives in slot  block_tables[b][p // block_size] * 
     blocks        7         2        9      -> slot(9) = 9 * 4 + 1 = 37
 
 Backends are a small ABC plus a registry by name; `get_attention_backend` picks one: the torch
-reference (conveyor.model.torch_attention, the ground truth) or the Triton kernels
-(conveyor.kernels) that each backend call runs as one KV write plus one attention launch.
+reference (conveyor.model.torch_attention, the ground truth), the CPU backend (a C decode
+kernel, conveyor.model.cpu_attention) or the Triton kernels (conveyor.kernels) that each
+backend call runs as one KV write plus one attention launch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from conveyor.model import cpu_kernels
+from conveyor.model.cpu_attention import cpu_paged_attention
 from conveyor.model.kv_cache import KVCache, QuantizedKVCache, write_kv_cache
 from conveyor.model.torch_attention import paged_attention
 
@@ -152,6 +155,42 @@ class TorchAttentionBackend(AttentionBackend):
         return paged_attention(q, k, v, kv_cache, meta, scale)
 
 
+class CpuAttentionBackend(AttentionBackend):
+    """CPU: decode rows through a C kernel that reads K/V in place from the paged cache
+    (conveyor.model.cpu_kernels), prefill chunks through SDPA as in the torch reference.
+
+    Float32 caches only; int8 or other dtypes, or a machine where the kernel cannot be built
+    (no C compiler), run the torch reference instead.
+    """
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}.")
+        self._kernels = cpu_kernels.load()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k, v = write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if (
+            self._kernels is None
+            or isinstance(kv_cache, QuantizedKVCache)
+            or kv_cache.dtype != torch.float32
+            or q.dtype != torch.float32
+        ):
+            return paged_attention(q, k, v, kv_cache, meta, scale)
+        return cpu_paged_attention(q, k, v, kv_cache, meta, scale, self._kernels)
+
+
 class TritonAttentionBackend(AttentionBackend):
     """conveyor.kernels: one KV-write launch and one paged-attention launch per layer."""
 
@@ -215,6 +254,7 @@ def _import_kernels(device: torch.device) -> Any:
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchAttentionBackend.name: TorchAttentionBackend,
+    CpuAttentionBackend.name: CpuAttentionBackend,
     TritonAttentionBackend.name: TritonAttentionBackend,
 }
 
@@ -222,16 +262,17 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """Pick an attention backend by name.
 
-    "auto": Triton on CUDA (the torch reference if triton cannot be imported), the torch
-    reference elsewhere. "triton" forces the kernels (on CPU only under TRITON_INTERPRET=1);
-    "torch" forces the reference.
+    "auto": Triton on CUDA (the torch reference if triton cannot be imported), "cpu" on the
+    CPU (C decode kernel; it falls back to the reference by itself where it cannot run), the
+    torch reference elsewhere. "triton" forces the kernels (on CPU only under
+    TRITON_INTERPRET=1); "torch" forces the reference.
 
     Raises:
         ValueError: an unknown name, or "triton" where the kernels cannot run.
     """
     device = torch.device(device)
     if name == "auto":
-        name = "torch"
+        name = "cpu" if device.type == "cpu" else "torch"
         if device.type == "cuda":
             try:
                 return TritonAttentionBackend(device)

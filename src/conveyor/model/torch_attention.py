@@ -112,17 +112,23 @@ def _decode_group(
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
-    q_lens, s_lens = meta.query_lens_cpu, meta.seq_lens_cpu
-    starts = [0, *itertools.accumulate(q_lens)]
-    device = meta.block_tables.device
+    starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
     # A request with one new token is a "decode row" even if it ends a prompt: same maths.
-    dec = [b for b, q in enumerate(q_lens) if q == 1]
+    dec = [b for b, q in enumerate(meta.query_lens_cpu) if q == 1]
     groups = []
     if dec:
-        nbs = [-(-s_lens[b] // block_size) for b in dec]
+        nbs = [-(-meta.seq_lens_cpu[b] // block_size) for b in dec]
         groups = [
             _decode_group(meta, g, starts, block_size, dtype) for g in _split_by_length(dec, nbs)
         ]
+    return _TorchPlan(groups, len(dec), plan_chunks(meta, block_size, dtype))
+
+
+def plan_chunks(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[_Chunk]:
+    """The step's prefill chunks (requests with more than one new token), with their masks."""
+    q_lens, s_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+    starts = [0, *itertools.accumulate(q_lens)]
+    device = meta.block_tables.device
     chunks = []
     for b, q in enumerate(q_lens):
         if q <= 1:
@@ -139,7 +145,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> 
         )
         chunk_mask = _additive(allowed, dtype)
         chunks.append(_Chunk(starts[b], starts[b + 1], ids, seq, chunk_mask))
-    return _TorchPlan(groups, len(dec), chunks)
+    return chunks
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -180,7 +186,21 @@ def paged_attention(
     out = q.new_empty(t, hq, d)
     for g in groups:
         out[g.rows] = _decode(q[g.rows], kv_cache, g, scale)
-    for c in plan.chunks:
+    attend_chunks(q, k, v, kv_cache, plan.chunks, out, scale)
+    return out.view(t, hq * d)
+
+
+def attend_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    chunks: list[_Chunk],
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Each prefill chunk's attention (one SDPA per chunk), written into out [T, Hq, D]."""
+    for c in chunks:
         qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         if c.block_ids is None:
             kc = k[c.start : c.end].transpose(0, 1).unsqueeze(0)
@@ -194,7 +214,6 @@ def paged_attention(
             qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=True
         )
         out[c.start : c.end] = o[0].transpose(0, 1)
-    return out.view(t, hq * d)
 
 
 def _decode(q: torch.Tensor, kv_cache: KVCache, group: _DecodeGroup, scale: float) -> torch.Tensor:

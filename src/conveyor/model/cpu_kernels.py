@@ -1,0 +1,177 @@
+"""C kernels for CPU, compiled on first use with the machine's C compiler and called through
+ctypes: the paged decode attention of the "cpu" attention backend (csrc/decode_attention.c).
+
+Why C and not torch: a decode step's attention in torch must first copy every request's K
+and V out of the paged cache into a padded tensor (one gather per layer), then run SDPA on
+the copy; the kernel reads each K and V row once, in place, for all the query heads that
+share it. Why ctypes and not a torch extension: the source includes no torch header, so it
+builds in well under a second and needs nothing but a C compiler (the Dockerfile installs
+gcc; Triton needs one at run time too).
+
+The library is built once per source, compiler and CPU (`-march=native`) into
+$CONVEYOR_CACHE_DIR (default ~/.cache/conveyor/cpu_kernels), written to a temporary name and
+renamed, so concurrent processes never load a half-written file. When there is no compiler or
+the build fails, `load()` returns None and says why once in the log; callers fall back to
+torch. `-fopenmp` links libgomp.so.1, which resolves to the copy torch has already loaded:
+the kernel shares torch's OpenMP threads instead of starting a second pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_DECODE_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64]
+_DECODE_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32]
+
+
+class CpuKernels:
+    """The loaded library; one method per kernel, each checking what C cannot."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._decode = lib.conveyor_decode_attention_f32
+        self._decode.argtypes = _DECODE_ARGS
+        self._decode.restype = ctypes.c_int
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        rows: torch.Tensor,
+        batch: torch.Tensor,
+        max_seq_len: int,
+        scale: float,
+    ) -> None:
+        """Attention of single-token queries over their paged context, written into out.
+
+        Args:
+            q: float32 [T, Hq, D] (rows contiguous); out: float32 [T, Hq, D], same strides.
+            kv_cache: float32 [2, num_blocks, block_size, Hkv, D], contiguous.
+            block_tables: int32 [B, max_blocks]; seq_lens: int32 [B] (context incl. the token).
+            rows: int64 [n] token row of each decode request; batch: int64 [n] its batch index.
+            max_seq_len: >= seq_lens[batch[i]] for every i (sizes the work buffers).
+        """
+        _, _, block_size, hkv, d = kv_cache.shape
+        _, hq, qd = q.shape
+        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            raise ValueError("decode_attention runs float32 only.")
+        if qd != d or hq % hkv or out.shape != q.shape:
+            raise ValueError(
+                f"shapes do not fit: q {tuple(q.shape)}, cache {tuple(kv_cache.shape)}."
+            )
+        for name, x in (("q", q), ("out", out)):
+            if x.stride(2) != 1 or x.stride(1) != d:
+                raise ValueError(f"{name} needs contiguous heads, got strides {x.stride()}.")
+        if not kv_cache.is_contiguous() or block_tables.stride(1) != 1:
+            raise ValueError("kv_cache and block_tables rows must be contiguous.")
+        if (block_tables.dtype, seq_lens.dtype) != (torch.int32, torch.int32) or (
+            rows.dtype,
+            batch.dtype,
+        ) != (torch.int64, torch.int64):
+            raise ValueError("block_tables and seq_lens are int32, rows and batch int64.")
+        failed = self._decode(
+            q.data_ptr(),
+            q.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            rows.data_ptr(),
+            batch.data_ptr(),
+            rows.numel(),
+            hq,
+            hkv,
+            d,
+            block_size,
+            max_seq_len,
+            scale,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("decode_attention could not allocate its work buffers.")
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: $CONVEYOR_CACHE_DIR, else $XDG_CACHE_HOME or ~/.cache."""
+    root = os.environ.get("CONVEYOR_CACHE_DIR")
+    if root:
+        return Path(root) / "cpu_kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "conveyor" / "cpu_kernels"
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the machine and its CPU flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the kernels (or find them already built) and return the library's path.
+
+    Raises:
+        RuntimeError: no C compiler, or the build failed (with the compiler's message).
+    """
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), *map(str.encode, _FLAGS)]))
+    key.update(_cpu_id().encode())
+    out_dir = cache_dir()
+    lib = out_dir / f"decode_attention-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd = [cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise RuntimeError(f"cannot run the C compiler {cc!r}: {exc}") from exc
+        if res.returncode:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels, built on first call; None (and one warning) when they cannot be built."""
+    try:
+        return CpuKernels(ctypes.CDLL(str(build())))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("CPU C kernels unavailable (%s); decode attention runs in torch.", exc)
+        return None

@@ -1,0 +1,151 @@
+"""The C decode-attention kernel of the "cpu" backend against the torch reference, its build
+cache, and the fallbacks where it cannot run."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from conveyor.model import cpu_kernels
+from conveyor.model.attention import CpuAttentionBackend, build_attention_metadata
+from conveyor.model.cpu_attention import _CpuPlan
+from conveyor.model.kv_cache import QuantizedKVCache, write_kv_cache
+from conveyor.model.torch_attention import paged_attention as reference
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu_kernels.CpuKernels:
+    k = cpu_kernels.load()
+    if k is None:  # no C compiler on this machine: the fallback tests below still run
+        pytest.skip("the CPU kernels cannot be built here (no C compiler)")
+    return k
+
+
+def _batch(shapes, hq, hkv, d, bs, seed, dtype=torch.float32, quant=False):
+    """A paged cache (shuffled blocks) holding each request's context, and this step's q/k/v.
+
+    shapes: (new tokens, context after this step) per request.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-s // bs) for _, s in shapes]
+    ids = list(range(1, sum(counts) + 1))
+    random.Random(seed).shuffle(ids)
+    tables, start = [], 0
+    for n in counts:
+        tables.append(ids[start : start + n])
+        start += n
+    shape = (2, sum(counts) + 1, bs, hkv, d)
+    cache = (
+        QuantizedKVCache(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:4]))
+        if quant
+        else torch.zeros(shape, dtype=dtype)
+    )
+    for (n, s), table in zip(shapes, tables, strict=True):
+        if s > n:  # the history, already in the cache
+            hist = build_attention_metadata([s - n], [s - n], [table], bs)
+            k, v = torch.randn(2, s - n, hkv, d, generator=gen).to(dtype)
+            write_kv_cache(k, v, cache, hist.slot_mapping)
+    meta = build_attention_metadata([n for n, _ in shapes], [s for _, s in shapes], tables, bs)
+    t = sum(n for n, _ in shapes)
+    # q as the model hands it over: a view of a wider [T, Hq + Hkv, D] rotary output.
+    q = torch.randn(t, hq + hkv, d, generator=gen).to(dtype)[:, :hq]
+    k, v = torch.randn(2, t, hkv, d, generator=gen).to(dtype)
+    return q, k, v, cache, meta
+
+
+def _both(shapes, hq, hkv, d, bs, seed, **kw):
+    q, k, v, cache, meta = _batch(shapes, hq, hkv, d, bs, seed, **kw)
+    backend = CpuAttentionBackend(CPU)
+    got = backend.forward(q, k, v, cache, meta, d**-0.5)
+    plan = meta.backend_state
+    meta.backend_state = None
+    want = reference(q, k, v, cache, meta, d**-0.5)  # cache already holds k, v
+    return got, want, plan
+
+
+@pytest.mark.parametrize(
+    ("shapes", "hq", "hkv", "d", "bs"),
+    [
+        ([(1, 9), (1, 40), (1, 1), (1, 33)], 12, 4, 64, 16),  # GQA 3, lengths across blocks
+        ([(1, 5), (1, 17), (1, 2)], 8, 8, 32, 4),  # no GQA
+        ([(1, 7), (1, 31)], 16, 2, 128, 8),  # GQA 8, head_dim 128
+        ([(1, 3), (1, 12), (1, 1)], 4, 1, 16, 1),  # one token per block, one KV head
+    ],
+)
+def test_decode_kernel_matches_the_torch_reference(kernels, shapes, hq, hkv, d, bs):
+    got, want, plan = _both(shapes, hq, hkv, d, bs, seed=len(shapes) + d)
+    assert isinstance(plan, _CpuPlan) and plan.rows.numel() == len(shapes)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_batches_run_decodes_in_the_kernel_and_chunks_in_sdpa(kernels, seed):
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(7):
+        n = rng.choice([1, 1, 1, rng.randint(2, 20)])
+        shapes.append((n, n + rng.choice([0, rng.randint(1, 50)])))
+    got, want, plan = _both(shapes, 6, 2, 32, 4, seed)
+    assert plan.rows.numel() == sum(n == 1 for n, _ in shapes)
+    assert len(plan.chunks) == sum(n > 1 for n, _ in shapes)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "quant"), [(torch.bfloat16, False), (torch.float32, True)])
+def test_caches_the_kernel_does_not_read_run_the_torch_reference(dtype, quant):
+    got, want, plan = _both([(1, 9), (4, 12), (1, 3)], 4, 2, 16, 4, 1, dtype=dtype, quant=quant)
+    assert not isinstance(plan, _CpuPlan)  # the reference's own plan
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_kernel_rejects_inputs_it_cannot_read(kernels):
+    q, _, _, cache, meta = _batch([(1, 5), (1, 8)], 4, 2, 16, 4, 0)
+    rows = batch = torch.arange(2)
+    out = torch.empty(2, 4, 16)
+    args = (meta.block_tables, meta.seq_lens, rows, batch, 8, 0.25)
+    with pytest.raises(ValueError, match="float32 only"):
+        kernels.decode_attention(q.double(), out, cache, *args)
+    with pytest.raises(ValueError, match="contiguous heads"):
+        kernels.decode_attention(q.transpose(0, 1).contiguous().transpose(0, 1), out, cache, *args)
+    with pytest.raises(ValueError, match="int32"):
+        bad = (meta.block_tables.long(), *args[1:])
+        kernels.decode_attention(q, out, cache, *bad)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        kernels.decode_attention(q, torch.empty(2, 4, 8), cache, *args)
+
+
+def test_the_build_is_cached_per_source_and_compiler(kernels, tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    first = cpu_kernels.build()
+    assert first.parent == tmp_path / "cpu_kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
+
+
+def test_without_a_compiler_the_backend_warns_once_and_runs_the_reference(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(RuntimeError, match="no-such-cc"):
+        cpu_kernels.build()
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    with pytest.raises(RuntimeError, match="failed"):
+        cpu_kernels.build()
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="conveyor.model.cpu_kernels"):
+            backend = CpuAttentionBackend(CPU)
+        assert "CPU C kernels unavailable" in caplog.text
+        q, k, v, cache, meta = _batch([(1, 6), (3, 9)], 4, 2, 16, 4, 2)
+        got = backend.forward(q, k, v, cache, meta, 0.25)
+        meta.backend_state = None
+        torch.testing.assert_close(got, reference(q, k, v, cache, meta, 0.25), atol=0, rtol=0)
+    finally:
+        cpu_kernels.load.cache_clear()
