@@ -1,5 +1,5 @@
-"""The C decode-attention kernel of the "cpu" backend against the torch reference, its build
-cache, and the fallbacks where it cannot run."""
+"""The CPU C kernels (decode attention of the "cpu" backend, fused residual + RMSNorm) against
+their torch references, the build cache, and the fallbacks where they cannot run."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from conveyor.model import cpu_kernels
 from conveyor.model.attention import CpuAttentionBackend, build_attention_metadata
 from conveyor.model.cpu_attention import _CpuPlan
 from conveyor.model.kv_cache import QuantizedKVCache, write_kv_cache
+from conveyor.model.layers import RMSNorm, fused_norms
 from conveyor.model.torch_attention import paged_attention as reference
 
 CPU = torch.device("cpu")
@@ -149,3 +150,42 @@ def test_without_a_compiler_the_backend_warns_once_and_runs_the_reference(
         torch.testing.assert_close(got, reference(q, k, v, cache, meta, 0.25), atol=0, rtol=0)
     finally:
         cpu_kernels.load.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])  # 300 x 768 takes the multi-threaded path
+def test_fused_rms_norm_matches_torch(kernels, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(2, rows, 768, generator=gen)
+    fused, plain = RMSNorm(768, eps=1e-5), RMSNorm(768, eps=1e-5)
+    with torch.no_grad():
+        fused.weight.copy_(torch.randn(768, generator=gen))
+        plain.weight.copy_(fused.weight)
+    fused_norms(fused, kernels)
+    want_x, want_sum = plain(x, residual)
+    got_x, got_sum = fused(x.clone(), residual.clone())
+    torch.testing.assert_close(got_sum, want_sum, atol=0, rtol=0)  # the add is exact
+    torch.testing.assert_close(got_x, want_x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused(x), plain(x), atol=1e-5, rtol=1e-5)
+    # A view with a row stride (a slice of a wider activation) reads the right rows.
+    wide = torch.randn(rows, 1024, generator=gen)
+    torch.testing.assert_close(fused(wide[:, :768]), plain(wide[:, :768]), atol=1e-5, rtol=1e-5)
+
+
+def test_norms_the_kernel_cannot_take_stay_in_torch(kernels):
+    norm = RMSNorm(16)
+    fused_norms(norm, kernels)
+    heads = torch.randn(3, 4, 16)  # Qwen3's per-head q/k norm: 3-d
+    torch.testing.assert_close(norm(heads), RMSNorm(16)(heads), atol=0, rtol=0)
+    half = torch.randn(3, 16, dtype=torch.bfloat16)
+    torch.testing.assert_close(norm(half), RMSNorm(16)(half), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("backend", "fused"), [("auto", True), ("cpu", True), ("torch", False)])
+def test_the_runner_fuses_norms_with_the_cpu_backend_only(kernels, backend, fused):
+    from conveyor.engine.config import EngineConfig
+    from conveyor.model.runner import ModelRunner
+
+    config = EngineConfig(attention_backend=backend, num_kv_blocks=8, max_model_len=64)
+    runner = ModelRunner(config)
+    norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all((m.kernels is not None) == fused for m in norms)

@@ -1,5 +1,6 @@
 """C kernels for CPU, compiled on first use with the machine's C compiler and called through
-ctypes: the paged decode attention of the "cpu" attention backend (csrc/decode_attention.c).
+ctypes: the paged decode attention of the "cpu" attention backend (csrc/decode_attention.c)
+and RMSNorm with its residual add fused in (csrc/rms_norm.c).
 
 Why C and not torch: a decode step's attention in torch must first copy every request's K
 and V out of the paged cache into a padded tensor (one gather per layer), then run SDPA on
@@ -8,12 +9,13 @@ share it. Why ctypes and not a torch extension: the source includes no torch hea
 builds in well under a second and needs nothing but a C compiler (the Dockerfile installs
 gcc; Triton needs one at run time too).
 
-The library is built once per source, compiler and CPU (`-march=native`) into
-$CONVEYOR_CACHE_DIR (default ~/.cache/conveyor/cpu_kernels), written to a temporary name and
-renamed, so concurrent processes never load a half-written file. When there is no compiler or
-the build fails, `load()` returns None and says why once in the log; callers fall back to
-torch. `-fopenmp` links libgomp.so.1, which resolves to the copy torch has already loaded:
-the kernel shares torch's OpenMP threads instead of starting a second pool.
+The library (every csrc/*.c in one shared object) is built once per source, compiler and
+CPU (`-march=native`) into $CONVEYOR_CACHE_DIR (default ~/.cache/conveyor/cpu_kernels),
+written to a temporary name and renamed, so concurrent processes never load a half-written
+file. When there is no compiler or the build fails, `load()` returns None and says why once in
+the log; callers fall back to torch. `-fopenmp` links libgomp.so.1, which resolves to the
+copy torch has already loaded: the kernels share torch's OpenMP threads instead of starting a
+second pool.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _DECODE_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64]
 _DECODE_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32]
+_NORM_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I32, _F32, _I32]
 
 
 class CpuKernels:
@@ -48,6 +51,49 @@ class CpuKernels:
         self._decode = lib.conveyor_decode_attention_f32
         self._decode.argtypes = _DECODE_ARGS
         self._decode.restype = ctypes.c_int
+        self._add_norm = lib.conveyor_add_rms_norm_f32
+        self._norm = lib.conveyor_rms_norm_f32
+        for fn in (self._add_norm, self._norm):
+            fn.argtypes = _NORM_ARGS
+            fn.restype = None
+
+    def add_rms_norm_(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None:
+        """In place: residual += x, then x = rms_norm(residual) * weight (rows of [N, H]).
+
+        The caller checks what C cannot: float32 [N, H] tensors with unit stride along H,
+        weight [H] contiguous (RMSNorm.forward does).
+        """
+        rows, hidden = x.shape
+        self._add_norm(
+            x.data_ptr(),
+            x.stride(0),
+            residual.data_ptr(),
+            residual.stride(0),
+            weight.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x) * weight for rows of [N, H] (same preconditions as add_rms_norm_)."""
+        rows, hidden = x.shape
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._norm(
+            x.data_ptr(),
+            x.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            weight.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
 
     def decode_attention(
         self,
@@ -142,18 +188,19 @@ def build(compiler: str | None = None) -> Path:
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), *map(str.encode, _FLAGS)]))
+    key = hashlib.sha256(b"\0".join([cc.encode(), *map(str.encode, _FLAGS)]))
+    for src in _SOURCES:
+        key.update(src.name.encode() + b"\0" + src.read_bytes())
     key.update(_cpu_id().encode())
     out_dir = cache_dir()
-    lib = out_dir / f"decode_attention-{key.hexdigest()[:16]}.so"
+    lib = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"]
+        cmd = [cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -173,5 +220,5 @@ def load() -> CpuKernels | None:
     try:
         return CpuKernels(ctypes.CDLL(str(build())))
     except (OSError, RuntimeError) as exc:
-        logger.warning("CPU C kernels unavailable (%s); decode attention runs in torch.", exc)
+        logger.warning("CPU C kernels unavailable (%s); attention and norms run in torch.", exc)
         return None

@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        # conveyor.model.cpu_kernels.CpuKernels when fused_norms() enabled the C kernel.
+        self.kernels: Any = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -38,10 +40,29 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With the C kernel (fp32 [N, H] rows), `norm(x, residual)` works in place: the
+        sum goes into `residual` and the normalised sum into `x` (both fresh activations the
+        decoder does not read again)."""
+        k = self.kernels
+        if k is not None and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1:
+            if residual is None:
+                return k.rms_norm(x, self.weight, self.eps)
+            if residual.dtype == torch.float32 and residual.stride(1) == 1:
+                k.add_rms_norm_(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+def fused_norms(model: nn.Module, kernels: Any) -> int:
+    """Run every RMSNorm of `model` through the C kernel (conveyor.model.cpu_kernels) where
+    its input allows (fp32 rows; others keep torch). Returns how many norms it switched."""
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for m in norms:
+        m.kernels = kernels
+    return len(norms)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
