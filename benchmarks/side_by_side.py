@@ -322,6 +322,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2, help="runs per side; the best counts")
     p.add_argument("--split-steps", type=int, default=32, help="timed steps for step_split")
     p.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds per vLLM run")
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="conveyor's attention backend (auto, cpu, torch); the JSON records it",
+    )
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
     if args.vllm_python is not None:
@@ -348,7 +353,9 @@ def _run(args, model: str, progress: bool) -> dict:
     out_lens = [max(args.min_output, m) for m in out_lens]
     bs = args.batch_size
     runners = {
-        "conveyor": throughput.conveyor_runner(model, prompts, out_lens, bs, progress),
+        "conveyor": throughput.conveyor_runner(
+            model, prompts, out_lens, bs, progress, attention_backend=args.attention_backend
+        ),
         "transformers_static": throughput.transformers_runner(
             model, prompts, out_lens, bs, progress
         ),
@@ -378,6 +385,7 @@ def _run(args, model: str, progress: bool) -> dict:
             "sampling": "greedy, ignore_eos",
         },
         "torch_threads": torch.get_num_threads(),
+        "attention_backend": args.attention_backend,
         "repeats": args.repeats,
     }
     for name, ts in times.items():
@@ -393,7 +401,13 @@ def _run(args, model: str, progress: bool) -> dict:
     )
 
     print("[side_by_side] gemm floor and step split", file=sys.stderr, flush=True)
-    llm = LLM(model, max_num_seqs=bs, max_num_batched_tokens=2048, seed=0)
+    llm = LLM(
+        model,
+        max_num_seqs=bs,
+        max_num_batched_tokens=2048,
+        seed=0,
+        attention_backend=args.attention_backend,
+    )
     runner_model = llm.llm_engine.runner.model
     result["gemm_floor"] = gemm_floor(runner_model, bs)
     split = step_split(llm, bs, 64, vocab, warm=4, steps=args.split_steps)

@@ -23,7 +23,7 @@ _TINY = [
 def test_side_by_side_prints_every_side_and_the_analyses(capsys):
     result = side_by_side.main(_TINY)
     assert json.loads(capsys.readouterr().out) == result
-    assert result["model"] == "shape:tiny3"
+    assert result["model"] == "shape:tiny3" and result["attention_backend"] == "auto"
     assert result["vllm_cpu"] is None and result["ratio_conveyor_to_vllm"] is None
     total = result["workload"]["total_output_tokens"]
     for side in ("conveyor", "transformers_static"):
