@@ -13,7 +13,7 @@ from conveyor.model import cpu_kernels
 from conveyor.model.attention import CpuAttentionBackend, build_attention_metadata
 from conveyor.model.cpu_attention import _CpuPlan
 from conveyor.model.kv_cache import QuantizedKVCache, write_kv_cache
-from conveyor.model.layers import RMSNorm, fused_norms
+from conveyor.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, use_cpu_kernels
 from conveyor.model.torch_attention import paged_attention as reference
 
 CPU = torch.device("cpu")
@@ -160,7 +160,7 @@ def test_fused_rms_norm_matches_torch(kernels, rows):
     with torch.no_grad():
         fused.weight.copy_(torch.randn(768, generator=gen))
         plain.weight.copy_(fused.weight)
-    fused_norms(fused, kernels)
+    use_cpu_kernels(fused, kernels)
     want_x, want_sum = plain(x, residual)
     got_x, got_sum = fused(x.clone(), residual.clone())
     torch.testing.assert_close(got_sum, want_sum, atol=0, rtol=0)  # the add is exact
@@ -173,7 +173,7 @@ def test_fused_rms_norm_matches_torch(kernels, rows):
 
 def test_norms_the_kernel_cannot_take_stay_in_torch(kernels):
     norm = RMSNorm(16)
-    fused_norms(norm, kernels)
+    use_cpu_kernels(norm, kernels)
     heads = torch.randn(3, 4, 16)  # Qwen3's per-head q/k norm: 3-d
     torch.testing.assert_close(norm(heads), RMSNorm(16)(heads), atol=0, rtol=0)
     half = torch.randn(3, 16, dtype=torch.bfloat16)
@@ -181,11 +181,31 @@ def test_norms_the_kernel_cannot_take_stay_in_torch(kernels):
 
 
 @pytest.mark.parametrize(("backend", "fused"), [("auto", True), ("cpu", True), ("torch", False)])
-def test_the_runner_fuses_norms_with_the_cpu_backend_only(kernels, backend, fused):
+def test_the_runner_uses_the_c_kernels_with_the_cpu_backend_only(kernels, backend, fused):
     from conveyor.engine.config import EngineConfig
     from conveyor.model.runner import ModelRunner
 
     config = EngineConfig(attention_backend=backend, num_kv_blocks=8, max_model_len=64)
     runner = ModelRunner(config)
-    norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
-    assert norms and all((m.kernels is not None) == fused for m in norms)
+    mods = [m for m in runner.model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
+    assert len(mods) > 2 and all((m.kernels is not None) == fused for m in mods)
+
+
+def test_rotary_in_place_matches_apply_rotary(kernels):
+    gen = torch.Generator().manual_seed(3)
+    emb = RotaryEmbedding(64, 512, 10000.0)
+    positions = torch.tensor([0, 5, 511, 17, 300, 2])
+    qkv = torch.randn(6, (8 + 2 * 2) * 64, generator=gen)
+    qk = qkv[:, : 10 * 64].view(6, 10, 64)  # q and k heads of a qkv row, v left alone
+    cos, sin = emb(positions)
+    want, v_before = apply_rotary(qk, cos, sin), qkv[:, 10 * 64 :].clone()
+    use_cpu_kernels(emb, kernels)
+    got = emb.step(positions)(qk)
+    assert got.data_ptr() == qkv.data_ptr()  # rotated where the projection wrote it
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, 10 * 64 :], v_before)
+    with pytest.raises(ValueError, match="outside the rotary table"):
+        kernels.rotary_(qk, torch.tensor([0, 1, 2, 3, 4, 512]), emb.cos_sin_cache)
+    # A layout the kernel cannot take (heads not contiguous) goes through apply_rotary.
+    strided = torch.randn(64, 6, 10, generator=gen).permute(1, 2, 0)
+    torch.testing.assert_close(emb.step(positions)(strided), apply_rotary(strided, cos, sin))

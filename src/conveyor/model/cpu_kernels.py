@@ -1,6 +1,7 @@
 """C kernels for CPU, compiled on first use with the machine's C compiler and called through
 ctypes: the paged decode attention of the "cpu" attention backend (csrc/decode_attention.c)
-and RMSNorm with its residual add fused in (csrc/rms_norm.c).
+RMSNorm with its residual add fused in (csrc/rms_norm.c) and the rotary embedding in place
+(csrc/rotary.c).
 
 Why C and not torch: a decode step's attention in torch must first copy every request's K
 and V out of the paged cache into a padded tensor (one gather per layer), then run SDPA on
@@ -42,6 +43,7 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _DECODE_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64]
 _DECODE_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32]
 _NORM_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I32, _F32, _I32]
+_ROTARY_ARGS = [_P, _I64, _I64, _I32, _I32, _P, _P, _I32]
 
 
 class CpuKernels:
@@ -56,6 +58,34 @@ class CpuKernels:
         for fn in (self._add_norm, self._norm):
             fn.argtypes = _NORM_ARGS
             fn.restype = None
+        self._rotary = lib.conveyor_rotary_f32
+        self._rotary.argtypes = _ROTARY_ARGS
+        self._rotary.restype = None
+
+    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+        """In place: rotate x [T, H, D] (float32, heads contiguous, any token stride) by the
+        rows `positions` (int64 [T]) of cos_sin [max_position, D] ([cos | sin] halves)."""
+        t, h, d = x.shape
+        if x.dtype != torch.float32 or cos_sin.dtype != torch.float32:
+            raise ValueError("rotary_ runs float32 only.")
+        if x.stride(2) != 1 or x.stride(1) != d or cos_sin.shape[1] != d or d % 2:
+            raise ValueError(f"rotary_ needs contiguous even-sized heads, got {x.stride()}.")
+        if positions.dtype != torch.int64 or positions.shape != (t,) or positions.stride(0) != 1:
+            raise ValueError("positions must be a contiguous int64 [T] tensor.")
+        if not cos_sin.is_contiguous():
+            raise ValueError("cos_sin must be contiguous.")
+        if t and not 0 <= int(positions.min()) <= int(positions.max()) < cos_sin.shape[0]:
+            raise ValueError(f"a position is outside the rotary table of {cos_sin.shape[0]}.")
+        self._rotary(
+            x.data_ptr(),
+            x.stride(0),
+            t,
+            h,
+            d,
+            positions.data_ptr(),
+            cos_sin.data_ptr(),
+            torch.get_num_threads(),
+        )
 
     def add_rms_norm_(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        # conveyor.model.cpu_kernels.CpuKernels when fused_norms() enabled the C kernel.
+        # conveyor.model.cpu_kernels.CpuKernels when use_cpu_kernels() enabled the C kernel.
         self.kernels: Any = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,13 +56,14 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
-def fused_norms(model: nn.Module, kernels: Any) -> int:
-    """Run every RMSNorm of `model` through the C kernel (conveyor.model.cpu_kernels) where
-    its input allows (fp32 rows; others keep torch). Returns how many norms it switched."""
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    for m in norms:
+def use_cpu_kernels(model: nn.Module, kernels: Any) -> int:
+    """Run `model`'s RMSNorms (residual add fused in) and rotary embedding through the C
+    kernels (conveyor.model.cpu_kernels) wherever their inputs allow (fp32; others keep
+    torch). Returns how many modules it switched."""
+    mods = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
+    for m in mods:
         m.kernels = kernels
-    return len(norms)
+    return len(mods)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -126,12 +127,42 @@ class RotaryEmbedding(nn.Module):
         freqs = pos[:, None] * inv_freq[None, :]
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.kernels: Any = None  # CpuKernels once use_cpu_kernels() enabled the C kernel
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Look up cos, sin for positions [T]; each comes back as [T, 1, head_dim // 2]."""
         cos_sin = self.cos_sin_cache.index_select(0, positions)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
+
+    def step(self, positions: torch.Tensor) -> RopeStep:
+        """The rotation of one step's tokens (positions [T]), shared by every layer."""
+        return RopeStep(self, positions)
+
+
+class RopeStep:
+    """Rotates [T, H, D] heads by one step's positions: in place through the C kernel
+    (conveyor.model.cpu_kernels) when use_cpu_kernels() enabled it and x is fp32 with
+    contiguous heads, else with apply_rotary (cos/sin looked up once, on first use)."""
+
+    def __init__(self, emb: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.emb = emb
+        self.positions = positions
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.emb.kernels
+        if (
+            k is not None
+            and x.dtype == torch.float32
+            and x.stride(2) == 1
+            and x.stride(1) == x.shape[2]
+        ):
+            k.rotary_(x, self.positions, self.emb.cos_sin_cache)
+            return x
+        if self._cos_sin is None:
+            self._cos_sin = self.emb(self.positions)
+        return apply_rotary(x, *self._cos_sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from conveyor.model.attention import (
     get_attention_backend,
 )
 from conveyor.model.kv_cache import KVCache
-from conveyor.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from conveyor.model.layers import GatedMLP, RMSNorm, RopeStep, RotaryEmbedding
 
 
 @dataclass(slots=True)
@@ -121,8 +121,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeStep,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -132,11 +131,11 @@ class LlamaAttention(nn.Module):
         if self.q_norm is None:
             # One rotary call for q and k heads together (they share cos/sin per token).
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, d)
-            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], 1)
+            q, k = rope(qk).split([self.num_heads, self.num_kv_heads], 1)
         else:
             q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, d))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = rope(q), rope(k)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
 
 
@@ -152,8 +151,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeStep,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +159,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x = self.self_attn(x, rope, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -229,10 +227,10 @@ class LlamaForCausalLM(nn.Module):
             final-norm hidden states [T, hidden_size].
         """
         m = self.model
-        cos, sin = m.rotary_emb(positions)  # once per step, shared by all layers
+        rope = m.rotary_emb.step(positions)  # once per step, shared by all layers
         x, residual = m.embed_tokens(input_ids), None
         for layer, kv_cache in zip(m.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
         x, _ = m.norm(x, residual)
         return x
 

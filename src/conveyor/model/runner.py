@@ -34,7 +34,7 @@ from conveyor.model.kv_cache import (
     kv_cache_memory_error,
 )
 from conveyor.model.kv_sizing import log_kv_cache, profile_cuda_kv_bytes
-from conveyor.model.layers import fused_norms
+from conveyor.model.layers import use_cpu_kernels
 from conveyor.model.linear import pack_linears, resolve_linear_backend
 from conveyor.model.llama import ModelConfig
 from conveyor.model.loader import (
@@ -122,12 +122,12 @@ class ModelRunner:
         )
         if self.linear_backend == "onednn":
             pack_linears(self.model)
-        # The CPU attention backend's C library also fuses each residual add into its RMSNorm;
-        # attention_backend "torch" keeps the whole forward in torch (the reference).
+        # The CPU attention backend's C library also runs the RMSNorms (residual add fused in)
+        # and the rotary embedding; attention_backend "torch" keeps the forward in torch.
         if self.device.type == "cpu" and config.attention_backend in ("auto", "cpu"):
             kernels = cpu_kernels.load()
             if kernels is not None and self.dtype == torch.float32:
-                fused_norms(self.model, kernels)
+                use_cpu_kernels(self.model, kernels)
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         if profile:
