@@ -9,6 +9,9 @@ then every parameter is assigned from the checkpoint, converted to the target dt
     model.layers.N.mlp.{gate,up}_proj.*       model.layers.N.mlp.gate_up_proj.*    (cat dim 0)
     lm_head.weight                            lm_head.weight, or absent when tied
     everything else                           same name
+
+A GGUF file (model/gguf_loader.py) goes through the same path: its metadata becomes the
+config dict and its tensors, dequantized and renamed to HF names, the tensor stream.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ from torch import nn
 
 from conveyor.engine.config import DTYPES
 from conveyor.model.attention import get_attention_backend
-from conveyor.model.checkpoint import read_config_json
+from conveyor.model.checkpoint import find_gguf_file, read_config_json
+from conveyor.model.gguf_loader import (
+    iter_gguf_tensors,
+    read_gguf_config,
+    release_gguf,
+)
 from conveyor.model.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -47,8 +55,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The parsed config.json of a checkpoint directory (ValueError naming the file if it is
-    missing or not valid JSON)."""
+    """The parsed config.json of a checkpoint directory, or the config dict of a GGUF file
+    (ValueError naming the file if it is missing, not valid JSON or an unsupported GGUF)."""
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return read_gguf_config(gguf_file)
     return read_config_json(path)
 
 
@@ -135,7 +146,8 @@ def load_model(
     """Load a checkpoint directory into our model, in eval mode on device/dtype.
 
     Args:
-        path: HF checkpoint directory (config.json + safetensors).
+        path: HF checkpoint directory (config.json + safetensors), a GGUF file, or a folder
+            holding one GGUF file.
         dtype: torch dtype or "auto" / "float32" / "float16" / "bfloat16" ("auto": float32
             on CPU, else the checkpoint's half-precision dtype; see resolve_dtype).
         device: torch device or name ("auto": cuda when available, else cpu).
@@ -153,15 +165,24 @@ def load_model(
     cls = resolve_model_class(hf_config)
     dtype = resolve_dtype(dtype, device, hf_config)
     config = ModelConfig.from_hf_config(hf_config)
-    files = checkpoint_files(path)
-    # Tied when the config says so, or when the checkpoint simply has no lm_head.
-    config.tie_word_embeddings = (
-        config.tie_word_embeddings or "lm_head.weight" not in _checkpoint_names(files)
-    )
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        tensors = iter_gguf_tensors(gguf_file, hf_config)
+    else:
+        files = checkpoint_files(path)
+        # Tied when the config says so, or when the checkpoint simply has no lm_head.
+        config.tie_word_embeddings = (
+            config.tie_word_embeddings or "lm_head.weight" not in _checkpoint_names(files)
+        )
+        tensors = iter_checkpoint_tensors(files)
     backend = get_attention_backend(attention_backend, device)
     with torch.device("meta"):
         model = cls(config, backend)
-    _assign_weights(model, iter_checkpoint_tensors(files), dtype, device)
+    try:
+        _assign_weights(model, tensors, dtype, device)
+    finally:
+        if gguf_file is not None:
+            release_gguf()
     # Parameters are already in place; this moves the buffers (the rope table) along.
     return model.to(device=device, dtype=dtype).eval()
 
