@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
 
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_LAYER_PARTS = {
+LAYER_PARTS = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q",
@@ -44,7 +44,7 @@ def gguf_name(hf_name: str) -> str:
     parts = hf_name.split(".")
     leaf = parts[-1]
     if parts[:2] == ["model", "layers"]:
-        return f"blk.{parts[2]}.{_LAYER_PARTS['.'.join(parts[3:-1])]}.{leaf}"
+        return f"blk.{parts[2]}.{LAYER_PARTS['.'.join(parts[3:-1])]}.{leaf}"
     return f"{_GLOBAL['.'.join(parts[:-1])]}.{leaf}"
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from conveyor.model.checkpoint import find_gguf_file
 from conveyor.sampling_params import SamplingParams
@@ -61,7 +61,11 @@ class Tokenizer:
         gguf_file = find_gguf_file(path)
         if gguf_file is not None:
             # transformers builds the tokenizer and its chat template from the file's metadata.
-            hf = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+            # The fast class directly: AutoTokenizer would first parse the whole file again to
+            # find the model type (5 s more for a 50k vocabulary), and builds the same one.
+            hf = PreTrainedTokenizerFast.from_pretrained(
+                str(gguf_file.parent), gguf_file=gguf_file.name
+            )
             return cls(hf)
         if not Path(path).is_dir():
             # Never fall through to a hub download: checkpoints are local directories.
