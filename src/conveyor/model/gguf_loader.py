@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from conveyor.model.gguf_file import GGUFFile
+
 # general.architecture -> our registry's class name.
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -60,18 +62,13 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 @functools.lru_cache(maxsize=1)
-def _reader(path: str, mtime_ns: int, size: int) -> Any:
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError) as exc:  # bad magic, truncated file
-        raise ValueError(f"cannot read GGUF file {path}: {exc}") from None
+def _reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def open_gguf(file: str | os.PathLike[str]) -> Any:
-    """The file's `gguf.GGUFReader`, parsed once per file version (parsing a vocabulary of
-    50k strings takes seconds; the config and the weights are read from one reader)."""
+def open_gguf(file: str | os.PathLike[str]) -> GGUFFile:
+    """The parsed file, once per file version: the config and the weights come from one
+    parse (the runner reads the config before it loads the weights)."""
     stat = os.stat(file)
     return _reader(str(file), stat.st_mtime_ns, stat.st_size)
 
@@ -81,9 +78,8 @@ def release_gguf() -> None:
     _reader.cache_clear()
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
 def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
@@ -123,7 +119,9 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
         )
     heads = _field(reader, f"{arch}.attention.head_count")
     hidden = _field(reader, f"{arch}.embedding_length")
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ValueError(f"GGUF file {file} has no token_embd.weight (token embeddings).")
     config: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "gguf_architecture": arch,
@@ -136,7 +134,7 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
         "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
         "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
-        "vocab_size": int(embed.shape[1]),  # GGUF shapes list the innermost dimension first
+        "vocab_size": int(embed.shape[0]),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,
         "dtype": _dtype_name(types),
