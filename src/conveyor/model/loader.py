@@ -80,10 +80,9 @@ def resolve_dtype(
     """A torch dtype from a dtype or one of `DTYPES`' names.
 
     "auto" is float32 on CPU (half-precision CPU GEMMs are slow without AMX/AVX512-BF16, and
-    float32 keeps exact parity). Elsewhere it depends on `hf_config`:
-    - None (the engine, `EngineConfig.dtype`): bfloat16 on CUDA, float32 on other devices;
-    - a config.json dict (`load_model`): the checkpoint's half-precision dtype, float32 when
-      it names none.
+    float32 keeps exact parity; "bfloat16" or "float16" select them). On CUDA it follows the
+    checkpoint (`hf_config`'s dtype) when that is float16 or bfloat16, and is bfloat16 for a
+    float32 checkpoint, one that names no dtype, or no `hf_config`. Other devices: float32.
 
     Args:
         dtype: a torch dtype (returned as is), "auto", "float32", "float16" or "bfloat16".
@@ -97,12 +96,10 @@ def resolve_dtype(
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cpu":
+        if device.type != "cuda":
             return torch.float32
-        if hf_config is None:
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        name = hf_config.get("dtype") or hf_config.get("torch_dtype")
-        return _DTYPES[name] if name in ("float16", "bfloat16") else torch.float32
+        name = (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype")
+        return _DTYPES[name] if name in ("float16", "bfloat16") else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}.")
     return _DTYPES[dtype]
@@ -149,7 +146,8 @@ def load_model(
         path: HF checkpoint directory (config.json + safetensors), a GGUF file, or a folder
             holding one GGUF file.
         dtype: torch dtype or "auto" / "float32" / "float16" / "bfloat16" ("auto": float32
-            on CPU, else the checkpoint's half-precision dtype; see resolve_dtype).
+            on CPU; on CUDA the checkpoint's half-precision dtype, else bfloat16; see
+            resolve_dtype).
         device: torch device or name ("auto": cuda when available, else cpu).
         attention_backend: name for get_attention_backend ("auto", "torch", "triton").
     Returns:

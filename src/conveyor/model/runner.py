@@ -72,12 +72,12 @@ class ModelRunner:
             model_path = str(config.model or demo_model_path())
         self.model_path = model_path
         self.device = resolve_device(config.device)
-        # No hf_config: the engine's "auto" is bfloat16 on CUDA whatever the checkpoint says.
-        self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         # The KV cache is sized from config.json alone, so one that cannot fit in memory is
         # refused before the weights load.
         hf_config = read_hf_config(model_path)
+        # "auto": float32 on CPU; on CUDA the checkpoint's float16/bfloat16, else bfloat16.
+        self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
         resolve_model_class(hf_config)  # an unsupported architecture is named first
         model_config = ModelConfig.from_hf_config(hf_config)
         context = model_config.max_position_embeddings
