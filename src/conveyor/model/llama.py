@@ -73,11 +73,22 @@ class ModelConfig:
             rope = dict(rope["full_attention"])
         theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
             raise ValueError(
-                f"Unsupported rope type {rope_type!r}; supported: default, linear, llama3."
+                f"Unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn."
             )
         scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
+        if rope_type in ("llama3", "yarn"):  # as transformers standardizes them
+            if "original_max_position_embeddings" in hf:
+                scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+            scaling.setdefault(
+                "original_max_position_embeddings", hf.get("max_position_embeddings", 2048)
+            )
+            if scaling.get("factor") is None:
+                scaling["factor"] = (
+                    hf.get("max_position_embeddings", 2048)
+                    / scaling["original_max_position_embeddings"]
+                )
         return cls(
             architecture=archs[0],
             vocab_size=hf["vocab_size"],
