@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm.auto import tqdm
 
 from conveyor.engine.config import DTYPES
 from conveyor.model.attention import get_attention_backend
@@ -40,6 +41,7 @@ from conveyor.model.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from conveyor.model.safetensors_mmap import MappedTensor, iter_mapped_tensors
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -118,12 +120,12 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     raise ValueError(f"No model.safetensors or model.safetensors.index.json in {path}.")
 
 
-def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor in the given safetensors files."""
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, MappedTensor]]:
+    """(name, tensor as a view of the file's memory map) for every tensor in the given
+    safetensors files, with a progress bar over the shards when there are several."""
+    bar = tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2)
+    for file in bar:
+        yield from iter_mapped_tensors(file)
 
 
 def _checkpoint_names(files: list[Path]) -> set[str]:
@@ -187,37 +189,47 @@ def load_model(
 
 def _assign_weights(
     model: LlamaForCausalLM,
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, torch.Tensor | MappedTensor]],
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Map HF names to ours, concatenate packed shards and assign every parameter."""
+    """Map HF names to ours, concatenate packed shards and assign every parameter.
+
+    A MappedTensor used as is becomes the parameter (the file's pages are its memory); one
+    that was copied (converted, moved or concatenated) is released right after, so the
+    weights are in memory about once during the load."""
     expected = dict(model.named_parameters())
     packed = model.PACKED_MODULES
     shard_counts: dict[str, int] = {}
     for fused, index in packed.values():
         shard_counts[fused] = max(shard_counts.get(fused, 0), index + 1)
-    pending: dict[str, dict[int, torch.Tensor]] = {}  # fused param name -> shard pieces
+    pending: dict[str, dict[int, torch.Tensor | MappedTensor]] = {}  # fused name -> pieces
     unexpected: list[str] = []
     loaded: set[str] = set()
-    for name, tensor in tensors:
+    for name, item in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
             continue
         parts = name.split(".")
+        sources = [item]
         if len(parts) >= 2 and parts[-2] in packed:
             fused, index = packed[parts[-2]]
             ours = ".".join([*parts[:-2], fused, parts[-1]])
             pieces = pending.setdefault(ours, {})
-            pieces[index] = tensor
+            pieces[index] = item
             if len(pieces) < shard_counts[fused]:
                 continue
-            tensor = torch.cat([pieces[i] for i in range(shard_counts[fused])], dim=0)
+            sources = [pieces[i] for i in range(shard_counts[fused])]
             del pending[ours]
             name = ours
         if name not in expected:
             unexpected.append(name)
             continue
-        _set_parameter(model, name, expected[name], tensor, dtype, device)
+        views = [s.tensor if isinstance(s, MappedTensor) else s for s in sources]
+        tensor = views[0] if len(views) == 1 else _cat_as(views, dtype, device)
+        value = _set_parameter(model, name, expected[name], tensor, dtype, device)
+        for source, view in zip(sources, views, strict=True):
+            if isinstance(source, MappedTensor) and value.data_ptr() != view.data_ptr():
+                source.release()
         loaded.add(name)
     missing = sorted(set(expected) - loaded)
     if pending:
@@ -236,7 +248,7 @@ def _set_parameter(
     tensor: torch.Tensor,
     dtype: torch.dtype,
     device: torch.device,
-) -> None:
+) -> torch.Tensor:
     if tuple(tensor.shape) != tuple(placeholder.shape):
         raise ValueError(
             f"Weight {name} has shape {tuple(tensor.shape)}, expected {tuple(placeholder.shape)}."
@@ -244,3 +256,21 @@ def _set_parameter(
     module_name, _, leaf = name.rpartition(".")
     value = tensor.to(device=device, dtype=dtype).contiguous()
     setattr(model.get_submodule(module_name), leaf, nn.Parameter(value, requires_grad=False))
+    return value
+
+
+def _cat_as(pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The pieces of a fused weight concatenated straight into the target dtype and device,
+    without an intermediate copy in the file's dtype."""
+    rows = sum(p.shape[0] for p in pieces)
+    out = torch.empty((rows, *pieces[0].shape[1:]), dtype=dtype, device=device)
+    start = 0
+    for p in pieces:
+        if tuple(p.shape[1:]) != tuple(out.shape[1:]):
+            raise ValueError(
+                f"Packed weight pieces have shapes {[tuple(x.shape) for x in pieces]}, which "
+                "cannot be concatenated."
+            )
+        out[start : start + p.shape[0]].copy_(p)
+        start += p.shape[0]
+    return out
