@@ -97,9 +97,11 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or context, context)
         if config.max_model_len is not None and config.max_model_len > context:
             logger.warning(
-                "max_model_len %d is more than the model's context (max_position_embeddings "
-                "in config.json, or its sliding window); capped to %d.",
+                "max_model_len %d is more than the model's context (%s); capped to %d.",
                 config.max_model_len,
+                "its sliding window"
+                if self._window_cap
+                else "max_position_embeddings in config.json",
                 context,
             )
         kv_dtype = config.kv_cache_dtype
