@@ -49,18 +49,26 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def write_checkpoint(
-    path: Path, family: str, tokenizer_dir: Path, init_std: float = 0.1, seed: int = 0
+    path: Path,
+    family: str,
+    tokenizer_dir: Path,
+    init_std: float = 0.1,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
 ) -> Path:
     """Write a random-weight checkpoint of `family` with the tokenizer from `tokenizer_dir`.
 
     Args:
         init_std: the weights' init std; larger than HF's 0.02 so that greedy argmaxes are
             rarely near-ties and float reordering cannot flip them.
+        dtype: the dtype the weights are saved in (config.json's dtype says it).
+        overrides: config fields that replace the family's (e.g. hidden_size).
     """
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     cls_name, extra = FAMILIES[family]
     cfg = getattr(transformers, cls_name)(
-        **{**_BASE, **extra},
+        **{**_BASE, **extra, **overrides},
         vocab_size=len(tok),
         initializer_range=init_std,
         eos_token_id=tok.eos_token_id,
@@ -78,6 +86,6 @@ def write_checkpoint(
                 param.add_(torch.randn_like(param) * 0.1)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.eos_token_id
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -233,8 +233,8 @@ def test_config_reads_transformers4_rope_fields():
     )
     assert v4 == v5
     assert v4.rope_theta == 5e5 and v4.rope_scaling == {"rope_type": "llama3", **scaling}
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2}})
+    with pytest.raises(ValueError, match="dynamic"):  # yarn is supported (test_rope_scaling)
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2}})
 
 
 def test_registry_and_backend_choice(monkeypatch):
@@ -292,14 +292,16 @@ def test_kv_cache_default_fits_the_demo_and_never_exceeds_what_max_num_seqs_can_
     assert ModelRunner(big, str(demo_model_dir)).num_kv_blocks == 2 * 256 // 16
 
 
-def test_resolve_dtype_auto_is_the_engines_without_a_checkpoint_and_the_checkpoints_with_one():
+def test_resolve_dtype_auto_is_fp32_on_cpu_and_follows_a_half_precision_checkpoint_on_cuda():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     bf16 = {"dtype": "bfloat16"}
     assert resolve_dtype("auto", cpu) is torch.float32
     assert resolve_dtype("auto", cpu, bf16) is torch.float32
     assert resolve_dtype("auto", cuda) is torch.bfloat16  # EngineConfig.dtype "auto"
     assert resolve_dtype("auto", cuda, {"torch_dtype": "float16"}) is torch.float16
-    assert resolve_dtype("auto", cuda, {"torch_dtype": "float32"}) is torch.float32
+    assert resolve_dtype("auto", cuda, bf16) is torch.bfloat16
+    # A float32 checkpoint runs in bfloat16 on CUDA unless float32 is asked for.
+    assert resolve_dtype("auto", cuda, {"torch_dtype": "float32"}) is torch.bfloat16
     assert resolve_dtype("bfloat16", cpu) is torch.bfloat16
     assert resolve_dtype(torch.float16, cuda, bf16) is torch.float16
     with pytest.raises(ValueError, match="dtype must be auto, float32, float16, bfloat16"):

@@ -65,6 +65,9 @@ class PromptLimits:
     max_model_len: int
     vocab_size: int
     kv_capacity: int  # KV slots in the whole cache: num_kv_blocks * block_size
+    # Why the context is what it is, when that is not plain (e.g. a sliding window):
+    # appended to "maximum context length is N tokens".
+    context_note: str = ""
 
     def check(self, prompt_ids: list[int], params: SamplingParams, strict: bool = False) -> int:
         """Reject a prompt that can never run; return its output cap.
@@ -88,26 +91,26 @@ class PromptLimits:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise PromptError(f"Prompt token ids must be integers in [0, {vocab}); got {t!r}.")
         n, limit = len(prompt_ids), self.max_model_len
+        context = f"This model's maximum context length is {limit} tokens{self.context_note}."
         if n >= limit:
             raise PromptError(
-                f"This model's maximum context length is {limit} tokens. "
-                f"However, your prompt has {n} tokens, leaving no room for output."
+                f"{context} However, your prompt has {n} tokens, leaving no room for output."
             )
         room = limit - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if strict and params.max_tokens is not None and params.max_tokens > room:
             requested = params.max_tokens
             raise PromptError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + requested} tokens ({n} in the prompt, {requested} in the completion). "
-                "Please reduce the length of the prompt or completion.",
+                f"{context} However, you requested {n + requested} tokens ({n} in the prompt, "
+                f"{requested} in the completion). Please reduce the length of the prompt or "
+                "completion.",
                 param="max_tokens",
             )
         if strict and params.min_tokens > room:
             raise PromptError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"min_tokens={params.min_tokens} with a {n}-token prompt, which leaves room for "
-                f"{room}. Please reduce min_tokens or the length of the prompt.",
+                f"{context} However, you requested min_tokens={params.min_tokens} with a "
+                f"{n}-token prompt, which leaves room for {room}. Please reduce min_tokens or "
+                "the length of the prompt.",
                 param="min_tokens",
             )
         check_kv_fits(n, max_tokens, self.kv_capacity)

@@ -51,7 +51,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         # What any prompt must fit (plain numbers: safe to read from another thread).
         kv_capacity = self.scheduler.block_manager.num_total_blocks * config.block_size
-        self.limits = PromptLimits(self.max_model_len, self.runner.vocab_size, kv_capacity)
+        self.limits = PromptLimits(
+            self.max_model_len, self.runner.vocab_size, kv_capacity, self.runner.context_note
+        )
         self._parents: dict[str, RequestState] = {}
         self._seqs: dict[str, OutputState] = {}
         # What the current step scheduled (None until schedule() returned), for abort_step().

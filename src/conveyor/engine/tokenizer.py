@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from conveyor.model.checkpoint import find_gguf_file
 from conveyor.sampling_params import SamplingParams
 
 # Prompt tokens decoded before the first output token, so the first output token's text
@@ -52,10 +53,20 @@ class Tokenizer:
 
         Args:
             path: directory with tokenizer.json (and optionally generation_config.json,
-                whose eos_token_id, an int or a list, adds to `eos_token_ids`).
+                whose eos_token_id, an int or a list, adds to `eos_token_ids`), or a GGUF
+                file (or a folder holding one), whose metadata has the tokenizer.
         Returns:
             The wrapped tokenizer.
         """
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            # transformers builds the tokenizer and its chat template from the file's metadata.
+            # The fast class directly: AutoTokenizer would first parse the whole file again to
+            # find the model type (5 s more for a 50k vocabulary), and builds the same one.
+            hf = PreTrainedTokenizerFast.from_pretrained(
+                str(gguf_file.parent), gguf_file=gguf_file.name
+            )
+            return cls(hf)
         if not Path(path).is_dir():
             # Never fall through to a hub download: checkpoints are local directories.
             raise ValueError(f"tokenizer directory not found: {str(path)!r}")

@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ _SHUTDOWN_REASON = "server shutting down: the request did not finish within the 
 
 def served_model_names(served: str | Sequence[str] | None, model: str | None) -> list[str]:
     """The names a server answers to: `served` (one or a list), else the checkpoint folder's
-    last path component, else the demo's name."""
+    last path component (a GGUF file's name without .gguf), else the demo's name."""
     if isinstance(served, str):
         return [served]
     if served:
@@ -74,7 +75,9 @@ def served_model_names(served: str | Sequence[str] | None, model: str | None) ->
     if model is None:
         return [DEMO_MODEL_NAME]
     # abspath, not resolve: "." and ".." name their folder, a symlink keeps its own name.
-    return [Path(os.path.abspath(model)).name or str(model)]
+    name = Path(os.path.abspath(model)).name or str(model)
+    # A GGUF file is named by its stem: "SmolLM2-135M-Instruct.Q4_1.gguf" -> "...Q4_1".
+    return [name[: -len(".gguf")] if name.lower().endswith(".gguf") else name]
 
 
 class AsyncLLM:
@@ -122,11 +125,22 @@ class AsyncLLM:
         self.engine: LLMEngine | None
         if engine_process:
             self.engine = None
-            process = EngineProcess(config, **callbacks)
-            self._core = process
-            self.model_path = process.info.model_path
-            self.limits = process.info.limits
-            self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
+            # The tokenizer loads here while the engine process loads the weights (building
+            # one from a GGUF file's vocabulary takes seconds).
+            # A failed start is reported at once, not after the tokenizer (wait=False).
+            folder = config.tokenizer or config.model
+            pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+            try:
+                pending = pool.submit(Tokenizer.from_pretrained, folder) if folder else None
+                process = EngineProcess(config, **callbacks)
+                self._core = process
+                self.model_path = process.info.model_path
+                self.limits = process.info.limits
+                self.tokenizer = (
+                    pending.result() if pending else Tokenizer.from_pretrained(self.model_path)
+                )
+            finally:
+                pool.shutdown(wait=False)
         else:
             self.engine = LLMEngine(config)
             self._core = EngineThread(self.engine, **callbacks)

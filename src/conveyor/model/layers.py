@@ -67,14 +67,17 @@ def use_cpu_kernels(model: nn.Module, kernels: Any) -> int:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] (fp32, on CPU) for default, linear or llama3 rope.
+    """Inverse frequencies [head_dim // 2] (fp32, on CPU) for default, linear, llama3 or yarn
+    rope.
 
     Args:
         head_dim: rotary dimension (the whole head).
         theta: rope base.
         scaling: None / {"rope_type": "default"}, {"rope_type": "linear", "factor"} or
             {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-            "original_max_position_embeddings"}.
+            "original_max_position_embeddings"}, or {"rope_type": "yarn", "factor",
+            "original_max_position_embeddings", optional "beta_fast", "beta_slow", "truncate",
+            "attention_factor", "mscale", "mscale_all_dim"}.
     Returns:
         float32 tensor, same values as transformers' rope init functions.
     """
@@ -98,7 +101,53 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: default, linear, llama3.")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    raise ValueError(
+        f"Unsupported rope_type {rope_type!r}; supported: default, linear, llama3, yarn."
+    )
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those that turn more than `beta_fast` times are kept,
+    with a linear ramp between the two (transformers' `_compute_yarn_parameters`)."""
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = (
+        (torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    ).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor cos and sin are multiplied by: YaRN's `attention_factor` (by default
+    0.1 ln(factor) + 1, or the ratio of the mscale terms), 1 for every other rope type."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
 
 
 class RotaryEmbedding(nn.Module):
@@ -125,7 +174,8 @@ class RotaryEmbedding(nn.Module):
         # Explicit device: stays real even when the model is built under torch.device("meta").
         pos = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
         freqs = pos[:, None] * inv_freq[None, :]
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        scale = rope_attention_factor(scaling)
+        cache = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.kernels: Any = None  # CpuKernels once use_cpu_kernels() enabled the C kernel
 

@@ -5,9 +5,11 @@ Module names mirror transformers' (`model.layers.N.self_attn...`) except two fus
 `PACKED_MODULES` tells the loader how to build them. Residual adds are fused into the
 following RMSNorm, so a layer passes (hidden, residual) along.
 
-Mistral's sliding_window is not applied: the reference attention always sees the whole
-context, which equals sliding-window attention only while contexts are <= sliding_window
-(4096 for Mistral 7B). Runners that allow longer contexts will differ from transformers.
+Sliding-window attention is not applied: attention always sees the whole context, which
+equals sliding-window attention only while contexts are <= the window. `ModelConfig.
+sliding_window` is the smallest window any layer uses (Mistral's `sliding_window`, Qwen2's
+`use_sliding_window` + `max_window_layers`, or per-layer `layer_types`), and the runner caps
+the context to it, so a longer request is refused instead of answered differently.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
-    sliding_window: int | None = None  # recorded, not applied (see module docstring)
+    sliding_window: int | None = None  # a layer's window; the context is capped to it
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -71,12 +73,22 @@ class ModelConfig:
             rope = dict(rope["full_attention"])
         theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
             raise ValueError(
-                f"Unsupported rope type {rope_type!r}; supported: default, linear, llama3."
+                f"Unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn."
             )
         scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
-        use_window = hf.get("use_sliding_window", True)  # Qwen2/3 gate it behind this flag
+        if rope_type in ("llama3", "yarn"):  # as transformers standardizes them
+            if "original_max_position_embeddings" in hf:
+                scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+            scaling.setdefault(
+                "original_max_position_embeddings", hf.get("max_position_embeddings", 2048)
+            )
+            if scaling.get("factor") is None:
+                scaling["factor"] = (
+                    hf.get("max_position_embeddings", 2048)
+                    / scaling["original_max_position_embeddings"]
+                )
         return cls(
             architecture=archs[0],
             vocab_size=hf["vocab_size"],
@@ -93,8 +105,27 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=hf.get("sliding_window") if use_window else None,
+            sliding_window=_sliding_window(hf),
         )
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    """The window of the layers that use one, None when every layer attends to everything.
+
+    transformers 5 lists `layer_types` ("sliding_attention" / "full_attention"); older Qwen2/3
+    configs gate the window behind `use_sliding_window`, from layer `max_window_layers` on;
+    Mistral's applies to every layer.
+    """
+    window = hf.get("sliding_window")
+    if not window:
+        return None
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    if "use_sliding_window" in hf:
+        first = hf.get("max_window_layers", 0)
+        return window if hf["use_sliding_window"] and first < hf["num_hidden_layers"] else None
+    return window
 
 
 class LlamaAttention(nn.Module):

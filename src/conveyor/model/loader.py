@@ -9,6 +9,9 @@ then every parameter is assigned from the checkpoint, converted to the target dt
     model.layers.N.mlp.{gate,up}_proj.*       model.layers.N.mlp.gate_up_proj.*    (cat dim 0)
     lm_head.weight                            lm_head.weight, or absent when tied
     everything else                           same name
+
+A GGUF file (model/gguf_loader.py) goes through the same path: its metadata becomes the
+config dict and its tensors, dequantized and renamed to HF names, the tensor stream.
 """
 
 from __future__ import annotations
@@ -21,10 +24,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm.auto import tqdm
 
 from conveyor.engine.config import DTYPES
 from conveyor.model.attention import get_attention_backend
-from conveyor.model.checkpoint import read_config_json
+from conveyor.model.checkpoint import find_gguf_file, read_config_json
+from conveyor.model.gguf_loader import (
+    iter_gguf_tensors,
+    read_gguf_config,
+    release_gguf,
+)
 from conveyor.model.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -32,6 +41,7 @@ from conveyor.model.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from conveyor.model.safetensors_mmap import MappedTensor, iter_mapped_tensors
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -47,8 +57,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The parsed config.json of a checkpoint directory (ValueError naming the file if it is
-    missing or not valid JSON)."""
+    """The parsed config.json of a checkpoint directory, or the config dict of a GGUF file
+    (ValueError naming the file if it is missing, not valid JSON or an unsupported GGUF)."""
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return read_gguf_config(gguf_file)
     return read_config_json(path)
 
 
@@ -69,10 +82,9 @@ def resolve_dtype(
     """A torch dtype from a dtype or one of `DTYPES`' names.
 
     "auto" is float32 on CPU (half-precision CPU GEMMs are slow without AMX/AVX512-BF16, and
-    float32 keeps exact parity). Elsewhere it depends on `hf_config`:
-    - None (the engine, `EngineConfig.dtype`): bfloat16 on CUDA, float32 on other devices;
-    - a config.json dict (`load_model`): the checkpoint's half-precision dtype, float32 when
-      it names none.
+    float32 keeps exact parity; "bfloat16" or "float16" select them). On CUDA it follows the
+    checkpoint (`hf_config`'s dtype) when that is float16 or bfloat16, and is bfloat16 for a
+    float32 checkpoint, one that names no dtype, or no `hf_config`. Other devices: float32.
 
     Args:
         dtype: a torch dtype (returned as is), "auto", "float32", "float16" or "bfloat16".
@@ -86,12 +98,10 @@ def resolve_dtype(
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cpu":
+        if device.type != "cuda":
             return torch.float32
-        if hf_config is None:
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        name = hf_config.get("dtype") or hf_config.get("torch_dtype")
-        return _DTYPES[name] if name in ("float16", "bfloat16") else torch.float32
+        name = (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype")
+        return _DTYPES[name] if name in ("float16", "bfloat16") else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}.")
     return _DTYPES[dtype]
@@ -110,12 +120,12 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     raise ValueError(f"No model.safetensors or model.safetensors.index.json in {path}.")
 
 
-def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor in the given safetensors files."""
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, MappedTensor]]:
+    """(name, tensor as a view of the file's memory map) for every tensor in the given
+    safetensors files, with a progress bar over the shards when there are several."""
+    bar = tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2)
+    for file in bar:
+        yield from iter_mapped_tensors(file)
 
 
 def _checkpoint_names(files: list[Path]) -> set[str]:
@@ -135,9 +145,11 @@ def load_model(
     """Load a checkpoint directory into our model, in eval mode on device/dtype.
 
     Args:
-        path: HF checkpoint directory (config.json + safetensors).
+        path: HF checkpoint directory (config.json + safetensors), a GGUF file, or a folder
+            holding one GGUF file.
         dtype: torch dtype or "auto" / "float32" / "float16" / "bfloat16" ("auto": float32
-            on CPU, else the checkpoint's half-precision dtype; see resolve_dtype).
+            on CPU; on CUDA the checkpoint's half-precision dtype, else bfloat16; see
+            resolve_dtype).
         device: torch device or name ("auto": cuda when available, else cpu).
         attention_backend: name for get_attention_backend ("auto", "torch", "triton").
     Returns:
@@ -153,52 +165,71 @@ def load_model(
     cls = resolve_model_class(hf_config)
     dtype = resolve_dtype(dtype, device, hf_config)
     config = ModelConfig.from_hf_config(hf_config)
-    files = checkpoint_files(path)
-    # Tied when the config says so, or when the checkpoint simply has no lm_head.
-    config.tie_word_embeddings = (
-        config.tie_word_embeddings or "lm_head.weight" not in _checkpoint_names(files)
-    )
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        tensors = iter_gguf_tensors(gguf_file, hf_config)
+    else:
+        files = checkpoint_files(path)
+        # Tied when the config says so, or when the checkpoint simply has no lm_head.
+        config.tie_word_embeddings = (
+            config.tie_word_embeddings or "lm_head.weight" not in _checkpoint_names(files)
+        )
+        tensors = iter_checkpoint_tensors(files)
     backend = get_attention_backend(attention_backend, device)
     with torch.device("meta"):
         model = cls(config, backend)
-    _assign_weights(model, iter_checkpoint_tensors(files), dtype, device)
+    try:
+        _assign_weights(model, tensors, dtype, device)
+    finally:
+        if gguf_file is not None:
+            release_gguf()
     # Parameters are already in place; this moves the buffers (the rope table) along.
     return model.to(device=device, dtype=dtype).eval()
 
 
 def _assign_weights(
     model: LlamaForCausalLM,
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, torch.Tensor | MappedTensor]],
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Map HF names to ours, concatenate packed shards and assign every parameter."""
+    """Map HF names to ours, concatenate packed shards and assign every parameter.
+
+    A MappedTensor used as is becomes the parameter (the file's pages are its memory); one
+    that was copied (converted, moved or concatenated) is released right after, so the
+    weights are in memory about once during the load."""
     expected = dict(model.named_parameters())
     packed = model.PACKED_MODULES
     shard_counts: dict[str, int] = {}
     for fused, index in packed.values():
         shard_counts[fused] = max(shard_counts.get(fused, 0), index + 1)
-    pending: dict[str, dict[int, torch.Tensor]] = {}  # fused param name -> shard pieces
+    pending: dict[str, dict[int, torch.Tensor | MappedTensor]] = {}  # fused name -> pieces
     unexpected: list[str] = []
     loaded: set[str] = set()
-    for name, tensor in tensors:
+    for name, item in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
             continue
         parts = name.split(".")
+        sources = [item]
         if len(parts) >= 2 and parts[-2] in packed:
             fused, index = packed[parts[-2]]
             ours = ".".join([*parts[:-2], fused, parts[-1]])
             pieces = pending.setdefault(ours, {})
-            pieces[index] = tensor
+            pieces[index] = item
             if len(pieces) < shard_counts[fused]:
                 continue
-            tensor = torch.cat([pieces[i] for i in range(shard_counts[fused])], dim=0)
+            sources = [pieces[i] for i in range(shard_counts[fused])]
             del pending[ours]
             name = ours
         if name not in expected:
             unexpected.append(name)
             continue
-        _set_parameter(model, name, expected[name], tensor, dtype, device)
+        views = [s.tensor if isinstance(s, MappedTensor) else s for s in sources]
+        tensor = views[0] if len(views) == 1 else _cat_as(views, dtype, device)
+        value = _set_parameter(model, name, expected[name], tensor, dtype, device)
+        for source, view in zip(sources, views, strict=True):
+            if isinstance(source, MappedTensor) and value.data_ptr() != view.data_ptr():
+                source.release()
         loaded.add(name)
     missing = sorted(set(expected) - loaded)
     if pending:
@@ -217,7 +248,7 @@ def _set_parameter(
     tensor: torch.Tensor,
     dtype: torch.dtype,
     device: torch.device,
-) -> None:
+) -> torch.Tensor:
     if tuple(tensor.shape) != tuple(placeholder.shape):
         raise ValueError(
             f"Weight {name} has shape {tuple(tensor.shape)}, expected {tuple(placeholder.shape)}."
@@ -225,3 +256,21 @@ def _set_parameter(
     module_name, _, leaf = name.rpartition(".")
     value = tensor.to(device=device, dtype=dtype).contiguous()
     setattr(model.get_submodule(module_name), leaf, nn.Parameter(value, requires_grad=False))
+    return value
+
+
+def _cat_as(pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The pieces of a fused weight concatenated straight into the target dtype and device,
+    without an intermediate copy in the file's dtype."""
+    rows = sum(p.shape[0] for p in pieces)
+    out = torch.empty((rows, *pieces[0].shape[1:]), dtype=dtype, device=device)
+    start = 0
+    for p in pieces:
+        if tuple(p.shape[1:]) != tuple(out.shape[1:]):
+            raise ValueError(
+                f"Packed weight pieces have shapes {[tuple(x.shape) for x in pieces]}, which "
+                "cannot be concatenated."
+            )
+        out[start : start + p.shape[0]].copy_(p)
+        start += p.shape[0]
+    return out

@@ -1,0 +1,207 @@
+"""Read a llama.cpp GGUF file as the loader reads an HF folder: a config.json-shaped dict and
+(HF name, tensor) pairs, every quantized tensor dequantized by the `gguf` library.
+
+    GGUF name                 HF name
+    token_embd.weight         model.embed_tokens.weight
+    output_norm.weight        model.norm.weight
+    output.weight             lm_head.weight (absent: tied embeddings)
+    blk.N.attn_norm.*         model.layers.N.input_layernorm.*
+    blk.N.ffn_norm.*          model.layers.N.post_attention_layernorm.*
+    blk.N.attn_{q,k,v}.*      model.layers.N.self_attn.{q,k,v}_proj.*
+    blk.N.attn_output.*       model.layers.N.self_attn.o_proj.*
+    blk.N.attn_{q,k}_norm.*   model.layers.N.self_attn.{q,k}_norm.*   (Qwen3)
+    blk.N.ffn_{gate,up,down}.* model.layers.N.mlp.{gate,up,down}_proj.*
+
+llama.cpp's converter reorders the rows of a `llama` file's q and k weights (pairs of rotary
+dimensions interleaved, GGML's rope layout); they are put back in HF's half-split order here.
+Qwen2/Qwen3 files keep HF's order. A name outside the table passes through unchanged, so the
+loader reports it as an unexpected weight.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from conveyor.model.gguf_file import GGUFFile
+
+# general.architecture -> our registry's class name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Tensor types we dequantize (all that `gguf.quants.dequantize` and our tests cover).
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(file: str | os.PathLike[str]) -> GGUFFile:
+    """The parsed file, once per file version: the config and the weights come from one
+    parse (the runner reads the config before it loads the weights)."""
+    stat = os.stat(file)
+    return _reader(str(file), stat.st_mtime_ns, stat.st_size)
+
+
+def release_gguf() -> None:
+    """Drop the cached reader (and its memory map) once the weights are loaded."""
+    _reader.cache_clear()
+
+
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
+
+
+def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config.json-shaped dict from the file's metadata.
+
+    "dtype" is the weights' own precision: bfloat16 / float16 / float32 for unquantized
+    files, float16 for quantized ones (their block scales are float16). It is what
+    dtype="auto" follows on CUDA.
+
+    Raises:
+        ValueError: an architecture, tensor type or rope scaling we do not support.
+    """
+    reader = open_gguf(file)
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {file} has architecture {arch!r}; conveyor loads "
+            f"{', '.join(GGUF_ARCHITECTURES)} GGUF files."
+        )
+    types = {}
+    for tensor in reader.tensors:
+        name = tensor.tensor_type.name
+        if name not in GGUF_TYPES:
+            raise ValueError(
+                f"GGUF tensor {tensor.name} in {file} is {name}, which conveyor cannot "
+                f"dequantize; supported types: {', '.join(GGUF_TYPES)}. Convert the file with "
+                "llama.cpp's llama-quantize to one of them."
+            )
+        if len(tensor.shape) == 2:
+            types[name] = types.get(name, 0) + 1
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(
+            f"GGUF file {file} has per-frequency rope factors (rope_freqs.weight, as Llama "
+            "3.1+ files do), which conveyor does not apply yet; load the HF checkpoint "
+            "(config.json + safetensors) instead."
+        )
+    heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ValueError(f"GGUF file {file} has no token_embd.weight (token embeddings).")
+    config: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "gguf_architecture": arch,
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
+        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
+        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
+        "vocab_size": int(embed.shape[0]),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,
+        "dtype": _dtype_name(types),
+    }
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ValueError(
+                f"GGUF file {file} uses {scaling!r} rope scaling; conveyor applies only linear "
+                "rope scaling to GGUF files."
+            )
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": _field(reader, f"{arch}.rope.scaling.factor"),
+        }
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window:
+        config["sliding_window"] = window
+    return config
+
+
+def _dtype_name(types: dict[str, int]) -> str:
+    if set(types) <= {"F32"}:
+        return "float32"
+    if set(types) <= {"BF16", "F32"}:
+        return "bfloat16"
+    return "float16"
+
+
+def hf_tensor_name(name: str) -> str:
+    """The HF name of a GGUF tensor name (unchanged if it is none of ours)."""
+    match = _LAYER.fullmatch(name)
+    if match:
+        layer, part, leaf = match.groups()
+        if part in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{leaf}"
+        return name
+    base, _, leaf = name.rpartition(".")
+    return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else name
+
+
+def iter_gguf_tensors(
+    file: str | os.PathLike[str], config: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 CPU tensor) for every tensor of the file, dequantized one at a time.
+
+    Args:
+        config: `read_gguf_config(file)` (for the head counts that undo llama's q/k order).
+    """
+    from gguf.quants import dequantize
+
+    reader = open_gguf(file)
+    unpermute = config["gguf_architecture"] == "llama"
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for tensor in reader.tensors:
+        # dequantize returns float32; copy=True: never alias the read-only memory map.
+        values = np.array(dequantize(tensor.data, tensor.tensor_type), np.float32, copy=True)
+        match = _LAYER.fullmatch(tensor.name)
+        if unpermute and match and match.group(2) in heads:
+            values = _unpermute_rows(values, heads[match.group(2)])
+        yield hf_tensor_name(tensor.name), torch.from_numpy(values)
+
+
+def _unpermute_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row order [d0, d_half, d1, d_half+1, ...] -> [first half,
+    second half] (rows of a q/k weight or bias)."""
+    rows = values.shape[0]
+    half = rows // num_heads // 2
+    grouped = values.reshape(num_heads, half, 2, *values.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(values.shape)

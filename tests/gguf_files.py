@@ -1,0 +1,139 @@
+"""Tiny GGUF files written from the random HF checkpoints of tests/hf_checkpoints.py.
+
+`write_gguf` lays a checkpoint out as llama.cpp's converter does (its tensor names, its
+metadata keys, `llama` q/k rows in GGML's interleaved rope order, the byte-level BPE
+vocabulary as `gpt2` tokens and merges, the chat template), so that both transformers' GGUF
+loader and conveyor's read the same bytes.
+
+Quantization: `gguf.quants.quantize` writes F16, BF16, Q8_0, Q4_0 and Q4_1. It cannot write the
+K-quants (Q4_K, Q6_K: dequantize only), so for those each 256-value block is filled with random
+bytes and a small float16 super-block scale: valid blocks whose dequantized values are the
+weights both loaders see. Norms and biases stay F32, as llama.cpp keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from safetensors.numpy import load_file
+
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+LAYER_PARTS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# Random-byte K-quant blocks: (bytes per 256 values, offset of the float16 scale(s), scale).
+_K_QUANTS = {QType.Q4_K: (144, (0, 2), 2e-4), QType.Q6_K: (210, (208,), 3e-5)}
+
+
+def gguf_name(hf_name: str) -> str:
+    parts = hf_name.split(".")
+    leaf = parts[-1]
+    if parts[:2] == ["model", "layers"]:
+        return f"blk.{parts[2]}.{LAYER_PARTS['.'.join(parts[3:-1])]}.{leaf}"
+    return f"{_GLOBAL['.'.join(parts[:-1])]}.{leaf}"
+
+
+def _permute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """HF's half-split rotary rows -> GGML's interleaved order (llama.cpp's converter)."""
+    half = w.shape[0] // num_heads // 2
+    grouped = w.reshape(num_heads, 2, half, *w.shape[1:]).swapaxes(1, 2)
+    return np.ascontiguousarray(grouped).reshape(w.shape)
+
+
+def _random_k_blocks(rows: int, cols: int, qtype: QType, rng: np.random.Generator) -> np.ndarray:
+    block_bytes, scale_offsets, scale = _K_QUANTS[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, block_bytes), dtype=np.uint8)
+    for offset in scale_offsets:
+        d = np.full((rows, cols // 256), scale, np.float16)
+        blocks[:, :, offset : offset + 2] = d.view(np.uint8).reshape(rows, cols // 256, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(
+    checkpoint: Path, out: Path, qtype: QType, embed_qtype: QType | None = None, seed: int = 0
+) -> Path:
+    """Write `checkpoint` (an HF folder of tests/hf_checkpoints.py) as the GGUF file `out`.
+
+    Args:
+        qtype: the type of every 2-D weight (F32 for none).
+        embed_qtype: token_embd's type when it differs (llama.cpp often keeps it at Q8_0/Q6_K).
+    """
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    arch = _ARCH[cfg["model_type"]]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"tiny-{cfg['model_type']}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_vocab_size(cfg["vocab_size"])
+    _add_tokenizer(w, checkpoint)
+    rng = np.random.default_rng(seed)
+    for name, value in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
+        value = value.astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            value = _permute_rows(value, heads if "q_proj" in name else kv_heads)
+        t = embed_qtype if (embed_qtype is not None and "embed_tokens" in name) else qtype
+        if value.ndim == 1 or t == QType.F32:
+            w.add_tensor(gguf_name(name), value)
+        elif t in _K_QUANTS:
+            w.add_tensor(gguf_name(name), _random_k_blocks(*value.shape, t, rng), raw_dtype=t)
+        else:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(value, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, checkpoint: Path) -> None:
+    """The checkpoint's byte-level BPE (tokenizer.json) as llama.cpp's `gpt2` tokenizer."""
+    spec = json.loads((checkpoint / "tokenizer.json").read_text())
+    tok_cfg = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    vocab = dict(spec["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    vocab.update(special)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    # 1: normal, 3: control (llama.cpp's token types).
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    eos = tok_cfg.get("eos_token")
+    eos = eos["content"] if isinstance(eos, dict) else eos
+    w.add_eos_token_id(vocab[eos])
+    w.add_bos_token_id(vocab[eos])
+    w.add_add_bos_token(False)
+    template_file = checkpoint / "chat_template.jinja"
+    template = template_file.read_text() if template_file.is_file() else None
+    template = template or tok_cfg.get("chat_template")
+    if template:
+        w.add_chat_template(template)

@@ -1,0 +1,138 @@
+"""GGUF files: conveyor's greedy tokens equal transformers' on the same file.
+
+Each case writes a random HF checkpoint of one family (tests/hf_checkpoints.py), lays it out as
+a GGUF file of one tensor type (tests/gguf_files.py), then runs transformers'
+`from_pretrained(folder, gguf_file=...)` and `LLM(file.gguf)` on the same prompts. The K-quants
+need rows of 256 values, so their case uses a wider model.
+"""
+
+from __future__ import annotations
+
+import random
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as QType
+from tests.gguf_files import write_gguf
+from tests.hf_checkpoints import write_checkpoint
+
+from conveyor import LLM, SamplingParams
+from conveyor.engine.tokenizer import Tokenizer
+from conveyor.model.checkpoint import check_checkpoint
+
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64)
+# (family, weights' type, token_embd's type or None, config overrides)
+CASES = {
+    "llama-q8_0": ("llama", QType.Q8_0, None, {}),
+    "llama-q4_0": ("llama", QType.Q4_0, None, {}),
+    "qwen2-q4_1-embed-q8_0": ("qwen2", QType.Q4_1, QType.Q8_0, {}),
+    # transformers' GGUF reader leaves Qwen3's head_dim at Qwen3Config's 128 (it ignores
+    # attention.key_length), as every released Qwen3 has; conveyor reads key_length.
+    "qwen3-f16": ("qwen3", QType.F16, None, {"head_dim": 128}),
+    "llama-bf16": ("llama", QType.BF16, None, {}),
+    "qwen2-f32": ("qwen2", QType.F32, None, {}),
+    "llama-q4_k-embed-q6_k": ("llama", QType.Q4_K, QType.Q6_K, WIDE),
+}
+PROMPTS = 4
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def gguf_case(request, tmp_path_factory, tiny_tokenizer_dir):
+    family, qtype, embed_qtype, overrides = CASES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    hf_dir = write_checkpoint(root / "hf", family, tiny_tokenizer_dir, **overrides)
+    folder = root / "gguf"
+    folder.mkdir()
+    file = write_gguf(hf_dir, folder / f"{request.param}.gguf", qtype, embed_qtype)
+    rng = random.Random(7)
+    vocab = transformers.AutoConfig.from_pretrained(hf_dir).vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(3, 30))] for _ in range(PROMPTS)]
+    max_tokens = [rng.randint(8, 20) for _ in range(PROMPTS)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file=file.name, dtype=torch.float32
+    )
+    expected = []
+    with torch.no_grad():
+        for ids, m in zip(prompts, max_tokens, strict=True):
+            out = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=m,
+                do_sample=False,
+            )
+            expected.append(out[0, len(ids) :].tolist())
+    return request.param, hf_dir, file, prompts, max_tokens, expected
+
+
+def test_gguf_greedy_tokens_equal_transformers_on_the_same_file(gguf_case):
+    name, _, file, prompts, max_tokens, expected = gguf_case
+    # The folder form for one case, the file itself for the others.
+    model = str(file.parent) if name == "llama-q8_0" else str(file)
+    llm = LLM(model, num_kv_blocks=64, dtype="float32")
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_gguf_tokenizer_and_chat_template_come_from_the_file(gguf_case):
+    _, hf_dir, file, _, _, _ = gguf_case
+    ours = Tokenizer.from_pretrained(file)
+    original = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    text = "Hello world! The quick brown fox, 😀 日本語"
+    assert ours.encode(text) == original.encode(text)
+    assert ours.eos_token_id == original.eos_token_id
+    messages = [{"role": "user", "content": "Hello world!"}]
+    assert ours.apply_chat_template(messages) == original.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def _gguf_with(path, arch, tensors):
+    """A GGUF file with only these tensors ({name: (array, raw type or None)})."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    for name, (value, raw) in tensors.items():
+        w.add_tensor(name, value, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_an_unsupported_gguf_architecture_is_named(tmp_path):
+    path = _gguf_with(
+        tmp_path / "g.gguf", "gemma2", {"token_embd.weight": (np.ones((4, 32), np.float32), None)}
+    )
+    with pytest.raises(
+        ValueError, match=r"architecture 'gemma2'; conveyor loads llama, qwen2, qwen3"
+    ):
+        LLM(str(path))
+
+
+def test_an_unsupported_gguf_tensor_type_is_named(tmp_path):
+    q5k = np.zeros((4, 176), np.uint8)  # one Q5_K block (176 bytes) per row of 256 values
+    path = _gguf_with(tmp_path / "g.gguf", "llama", {"blk.0.attn_q.weight": (q5k, QType.Q5_K)})
+    with pytest.raises(
+        ValueError, match=r"blk\.0\.attn_q\.weight .* is Q5_K, which conveyor cannot"
+    ):
+        LLM(str(path))
+
+
+def test_a_folder_with_two_gguf_files_asks_for_one(tmp_path):
+    for name in ("a.gguf", "b.gguf"):
+        _gguf_with(
+            tmp_path / name, "llama", {"token_embd.weight": (np.ones((4, 32), np.float32), None)}
+        )
+    with pytest.raises(ValueError, match=r"several GGUF files \(a\.gguf, b\.gguf\); pass the one"):
+        check_checkpoint(str(tmp_path))
+
+
+def test_a_gguf_named_file_that_is_not_gguf_is_refused(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ValueError, match=r"is not a GGUF file"):
+        check_checkpoint(str(fake))
