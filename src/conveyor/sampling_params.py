@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.structured_outputs import StructuredOutputsParams
 from conveyor.validation import check_int, check_number
 
 # Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`).
@@ -31,6 +32,10 @@ class SamplingParams:
     first under the `priority` scheduler), `deadline` (seconds from arrival; a request still
     unfinished then ends with finish_reason "abort" and an `abort_reason`), `length_hint`
     (expected output tokens, used instead of `max_tokens` by the SJF-family schedulers).
+
+    `structured_outputs` constrains the output to a JSON schema, a regex, a choice or a
+    grammar (a StructuredOutputsParams, or a dict of its fields); the request then stops with
+    finish_reason "stop" where the constraint is complete.
     """
 
     n: int = 1
@@ -53,6 +58,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     deadline: float | None = None
     length_hint: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -63,6 +69,8 @@ class SamplingParams:
         else:
             self.stop_strings = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._verify()
 
     def _verify(self) -> None:
@@ -115,6 +123,12 @@ class SamplingParams:
                     f"stop must be strings of at most {MAX_STOP_STRING_CHARS} characters, "
                     f"got one of {len(s)}."
                 )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
+                f"got {type(so).__name__}."
+            )
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")

@@ -4,6 +4,7 @@ Stages, each skipped when no row needs it (the logits ones: conveyor.model.logit
 
     raw logits ──► logprobs (log_softmax of the raw logits, as vLLM's default)
         │
+        ├─ structured outputs: tokens the row's grammar forbids -> -inf
         ├─ min_tokens: mask eos / stop_token_ids while too few outputs
         ├─ penalties: repetition (prompt + output), frequency / presence (output)
         │
@@ -26,6 +27,7 @@ import torch
 
 from conveyor.core.logprobs import TokenLogprobs
 from conveyor.core.sequence import Sequence
+from conveyor.model.grammar_bitmask import apply_grammar_bitmask
 from conveyor.model.logits_processors import (
     apply_min_p,
     apply_min_tokens,
@@ -79,6 +81,8 @@ class Sampler:
         n = len(requests)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [{n}, V] for {n} requests, got {list(logits.shape)}")
+        raw = logits
+        logits = apply_grammar_bitmask(logits, requests)
         params = [r.sampling_params for r in requests]
         temps = [p.temperature for p in params]
         random_rows = [i for i, t in enumerate(temps) if t >= _SAMPLING_EPS]
@@ -94,9 +98,8 @@ class Sampler:
         if not (random_rows or lp_rows or needs_penalty or needs_min_tokens):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n)  # all-greedy fast path
 
-        raw = logits
         if needs_min_tokens or needs_penalty:
-            logits = logits.clone()
+            logits = logits.clone() if logits is raw else logits
             if needs_min_tokens:
                 apply_min_tokens(logits, requests)
             if needs_penalty:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -27,6 +28,7 @@ from conveyor.server.responses import (
 )
 from conveyor.server.sse import ChatChunks
 from conveyor.server.streaming import sse_response
+from conveyor.server.structured import checked_structured_outputs
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> Response:
@@ -49,6 +51,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if max_tokens is None:
         max_tokens = req.max_tokens
     params = ctx.with_timeout(req.sampling_params(max_tokens, top))
+    structured = await checked_structured_outputs(req)
+    if structured is not None:
+        params = dataclasses.replace(params, structured_outputs=structured)
     ctx.check_size(params.n)  # before the template runs
     prompt_ids = await ctx.render_chat(
         req.messages, bool(req.add_generation_prompt), req.chat_template_kwargs, req.chat_template

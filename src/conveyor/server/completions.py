@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -24,6 +25,7 @@ from conveyor.server.responses import (
 )
 from conveyor.server.sse import CompletionChunks
 from conveyor.server.streaming import merge_streams, sse_response
+from conveyor.server.structured import checked_structured_outputs
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Response:
@@ -42,6 +44,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
             param="echo",
         )
     params = ctx.with_timeout(req.sampling_params(req.max_tokens, req.logprobs))
+    structured = await checked_structured_outputs(req)
+    if structured is not None:
+        params = dataclasses.replace(params, structured_outputs=structured)
     engine = ctx.engine
     prompts = req.prompts()
     ctx.check_size(params.n, len(prompts))  # before any prompt is tokenized

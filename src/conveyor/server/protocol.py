@@ -76,14 +76,15 @@ class _GenerationRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     best_of: Int | None = None
-    # Not supported yet (structured outputs and prompt logprobs are later work): declared so
-    # that a request setting them is refused by check_common instead of silently ignored.
+    # Output constraints (server/structured.py turns them into StructuredOutputsParams).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # Not supported yet: declared so that a request setting it is refused by check_common
+    # instead of silently ignored.
     prompt_logprobs: Int | None = None
 
     def check_common(self) -> None:
@@ -94,11 +95,6 @@ class _GenerationRequest(OpenAIModel):
             )
         if self.logit_bias:
             raise APIError("logit_bias is not supported by this server.", param="logit_bias")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(
-                'response_format is not supported by this server yet (only {"type": "text"}).',
-                param="response_format",
-            )
         for name in _NOT_SUPPORTED_YET:
             if getattr(self, name) is not None:
                 raise APIError(f"{name} is not supported by this server yet.", param=name)
@@ -162,14 +158,7 @@ class CompletionRequest(_GenerationRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-_NOT_SUPPORTED_YET = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "prompt_logprobs",
-)
+_NOT_SUPPORTED_YET = ("prompt_logprobs",)
 # OpenAI's chat roles; anything else is a 400 rather than text a template prints or drops.
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
