@@ -1,4 +1,5 @@
-"""Structured outputs through a real `conveyor serve` and the official openai SDK.
+"""Structured outputs and tool calling through a real `conveyor serve` and the official
+openai SDK.
 
 The demo model's weights are random: every valid JSON object, regex match or choice below is
 the grammar's doing alone.
@@ -9,9 +10,11 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from tests.serve_process import start_server
 from tests.structured_schemas import SCHEMAS, Codes, Customer, Order, Person
 
@@ -20,7 +23,8 @@ MODEL = "demo"
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir, tmp_path_factory):
-    args = ["--model", str(demo_model_dir), "--served-model-name", MODEL, "--num-kv-blocks", "256"]
+    args = ["--model", str(demo_model_dir), "--served-model-name", MODEL, "--num-kv-blocks", "256",
+            "--tool-call-parser", "hermes"]  # fmt: skip
     proc = start_server(args, tmp_path_factory.mktemp("serve"))
     yield proc
     proc.stop()
@@ -169,4 +173,114 @@ def test_a_constraint_that_cannot_compile_is_a_400_naming_the_field(client, body
     assert refused.value.body["param"] == param
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt="x", extra_body=body)
+    assert refused.value.body["param"] == param
+
+
+# -------------------------------------------------------------------- tool calling
+class Weather(BaseModel):
+    city: str = Field(max_length=12)
+    unit: Literal["c", "f"]
+
+
+class Booking(BaseModel):
+    room: int = Field(ge=1, le=500)
+    nights: int = Field(ge=1, le=14)
+
+
+def _tool(name: str, model: type[BaseModel]) -> dict:
+    schema = model.model_json_schema()
+    return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+
+TOOLS = [_tool("get_weather", Weather), _tool("book_room", Booking)]
+ARGUMENTS = {"get_weather": Weather, "book_room": Booking}
+
+
+def _check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call-")
+        ARGUMENTS[call.function.name].model_validate_json(call.function.arguments)
+    assert len({c.id for c in calls}) == len(calls)
+
+
+def test_required_tool_choice_returns_calls_that_match_their_tool(client) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=_ask("trip"), tools=TOOLS, tool_choice="required",
+        temperature=1.0, seed=2, n=3, max_tokens=400,
+    )  # fmt: skip
+    for choice in resp.choices:
+        assert choice.finish_reason == "tool_calls"
+        _check_calls(choice.message.tool_calls)
+
+
+def test_a_named_function_is_called_with_valid_arguments(client) -> None:
+    for temperature in (0.0, 1.0):
+        resp = client.chat.completions.create(
+            model=MODEL, messages=_ask("booking"), tools=TOOLS, temperature=temperature,
+            tool_choice={"type": "function", "function": {"name": "book_room"}},
+        )  # fmt: skip
+        choice = resp.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "book_room"
+        Booking.model_validate_json(call.function.arguments)
+
+
+def test_streamed_tool_calls_arrive_as_openai_tool_call_deltas(client) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=_ask("weather"), tools=TOOLS, tool_choice="required",
+        temperature=1.0, seed=5, max_tokens=400, stream=True,
+    )  # fmt: skip
+    deltas, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [d.index for d in deltas] == list(range(len(deltas)))
+    _check_calls(deltas)
+
+
+def test_auto_reads_plain_text_as_content_and_the_tools_reach_the_template(client) -> None:
+    plain = client.chat.completions.create(model=MODEL, messages=_ask("x"), max_tokens=8)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=_ask("x"), tools=TOOLS, max_tokens=8, temperature=0.0
+    )
+    choice = resp.choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
+    assert choice.message.content is not None
+    assert resp.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools' system turn
+
+
+def test_a_history_with_tool_calls_and_tool_results_is_accepted(client) -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+        }]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 21"},
+    ]  # fmt: skip
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=4
+    )
+    assert resp.choices[0].message.content is not None and not resp.choices[0].message.tool_calls
+
+
+TOOL_ERRORS = [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "param"), TOOL_ERRORS, ids=[str(i) for i in range(5)])
+def test_bad_tool_requests_are_a_400_naming_the_field(client, body, param) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=_ask("x"), extra_body=body)
     assert refused.value.body["param"] == param

@@ -201,13 +201,10 @@ class ChatCompletionRequest(_GenerationRequest):
             raise APIError(
                 "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
             )
-        if self.tools:
-            raise APIError("tools are not supported by this server.", param="tools")
         if self.functions:
-            raise APIError("functions are not supported by this server.", param="functions")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise APIError(f'{name} is not supported by this server (only "none").', param=name)
+            raise APIError("functions are not supported: use tools.", param="functions")
+        if self.function_call not in (None, "none"):
+            raise APIError("function_call is not supported: use tool_choice.", "function_call")
 
 
 class TokenizeRequest(OpenAIModel):

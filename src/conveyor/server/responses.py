@@ -150,6 +150,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, object]] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
