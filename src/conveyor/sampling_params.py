@@ -18,6 +18,8 @@ MAX_LOGPROBS = 20
 # is also how much text a stream holds back until it knows no stop string starts there.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
+# logit_bias entries are added to the logits every step: bounded (OpenAI allows 300).
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(slots=True)
@@ -35,7 +37,9 @@ class SamplingParams:
 
     `structured_outputs` constrains the output to a JSON schema, a regex, a choice or a
     grammar (a StructuredOutputsParams, or a dict of its fields); the request then stops with
-    finish_reason "stop" where the constraint is complete.
+    finish_reason "stop" where the constraint is complete. `logit_bias` (OpenAI's) adds a
+    bias in [-100, 100] to the logits of token ids before sampling (-100 bans, 100 all but
+    forces); logprobs stay those of the raw logits.
     """
 
     n: int = 1
@@ -59,6 +63,7 @@ class SamplingParams:
     deadline: float | None = None
     length_hint: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -129,6 +134,23 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
                 f"got {type(so).__name__}."
             )
+        self._verify_logit_bias()
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
+
+    def _verify_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must map token ids to biases, got {type(bias).__name__}.")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias must hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}."
+            )
+        for t, b in bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}.")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r}.")

@@ -7,6 +7,7 @@ Stages, each skipped when no row needs it (the logits ones: conveyor.model.logit
         ├─ structured outputs: tokens the row's grammar forbids -> -inf
         ├─ min_tokens: mask eos / stop_token_ids while too few outputs
         ├─ penalties: repetition (prompt + output), frequency / presence (output)
+        ├─ logit_bias: + bias per token id
         │
         ├─ greedy rows ──────────────────────────────────────────► argmax
         └─ random rows: / temperature ─► min_p ─► top_k ─► top_p ─► argmax(probs / q)
@@ -29,6 +30,7 @@ from conveyor.core.logprobs import TokenLogprobs
 from conveyor.core.sequence import Sequence
 from conveyor.model.grammar_bitmask import apply_grammar_bitmask
 from conveyor.model.logits_processors import (
+    apply_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
@@ -95,15 +97,18 @@ class Sampler:
             len(r.output_token_ids) < r.sampling_params.min_tokens for r in requests
         )
 
-        if not (random_rows or lp_rows or needs_penalty or needs_min_tokens):
+        needs_bias = any(p.logit_bias for p in params)
+        if not (random_rows or lp_rows or needs_penalty or needs_min_tokens or needs_bias):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n)  # all-greedy fast path
 
-        if needs_min_tokens or needs_penalty:
+        if needs_min_tokens or needs_penalty or needs_bias:
             logits = logits.clone() if logits is raw else logits
             if needs_min_tokens:
                 apply_min_tokens(logits, requests)
             if needs_penalty:
                 apply_penalties(logits, requests)
+            if needs_bias:
+                apply_logit_bias(logits, requests)
 
         if len(random_rows) == n:
             tokens = self._sample(logits, requests)

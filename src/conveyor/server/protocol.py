@@ -93,13 +93,25 @@ class _GenerationRequest(OpenAIModel):
             raise APIError(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by this server.", param="logit_bias")
         for name in _NOT_SUPPORTED_YET:
             if getattr(self, name) is not None:
                 raise APIError(f"{name} is not supported by this server yet.", param=name)
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError("best_of is not supported: leave it unset or equal to n.", "best_of")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys (strings)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isdigit():
+                raise APIError(
+                    f"logit_bias keys must be token ids (non-negative integers), got {key!r}.",
+                    param="logit_bias",
+                )
+            out[int(key)] = bias
+        return out
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; a range error becomes a 400 naming the field.
@@ -127,6 +139,7 @@ class _GenerationRequest(OpenAIModel):
             "priority": self.priority,
             "deadline": self.deadline,
             "length_hint": self.length_hint,
+            "logit_bias": self._logit_bias(),
         }
         kwargs = {k: v for k, v in fields.items() if v is not None}
         try:
