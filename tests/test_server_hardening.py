@@ -232,7 +232,7 @@ IGNORED = [
     (CHAT, {"function_call": "auto"}, "function_call"),
     (CMPL, {"guided_json": "not json"}, "guided_json"),
     (CHAT, {"structured_outputs": {"regex": "a+", "structural_tag": "x"}}, "structured_outputs"),
-    (CMPL, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (CHAT, {"prompt_logprobs": 1}, "prompt_logprobs"),
     (CHAT, {"messages": [{"role": "foo", "content": "x"}]}, "messages"),
     (CHAT, {"min_tokens": MAX_MODEL_LEN}, "min_tokens"),
 ]

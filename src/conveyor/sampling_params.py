@@ -39,7 +39,9 @@ class SamplingParams:
     grammar (a StructuredOutputsParams, or a dict of its fields); the request then stops with
     finish_reason "stop" where the constraint is complete. `logit_bias` (OpenAI's) adds a
     bias in [-100, 100] to the logits of token ids before sampling (-100 bans, 100 all but
-    forces); logprobs stay those of the raw logits.
+    forces); logprobs stay those of the raw logits. `prompt_logprobs` (vLLM's): the logprob of
+    every prompt token after the first and its top alternatives, from the prompt's own forward
+    (such a request skips the prefix cache, whose hits would not be computed).
     """
 
     n: int = 1
@@ -64,6 +66,7 @@ class SamplingParams:
     length_hint: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -106,6 +109,8 @@ class SamplingParams:
             check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
         if self.deadline is not None:
             check_number(

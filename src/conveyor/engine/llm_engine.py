@@ -105,11 +105,15 @@ class LLMEngine:
         parent = RequestState(
             request_id, prompt_text, prompt_ids, stream, delta, RequestMetrics(arrival)
         )
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = {}
         for i in range(params.n):
             seq_params = params
             if params.n > 1 and params.seed is not None:
                 # Each of the n samples gets its own reproducible stream.
                 seq_params = dataclasses.replace(params, seed=params.seed + i)
+            if i > 0 and params.prompt_logprobs is not None:  # the first sample computes them
+                seq_params = dataclasses.replace(seq_params, prompt_logprobs=None)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Sequence(
                 seq_id,
@@ -241,7 +245,12 @@ class LLMEngine:
             m = self._parents[self._seqs[req.request_id].parent_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        sampled, sampler_out = self.runner.execute(sched_out)
+        sampled, sampler_out, prompt_lps = self.runner.execute(sched_out)
+        for rid, entries in prompt_lps.items():
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                parent = self._parents[seq.parent_id]
+                parent.add_prompt_logprobs(entries, self.tokenizer.id_to_token_text)
         if sampler_out is None:
             self.scheduler.update_from_output(sched_out, {})
             return expired

@@ -83,9 +83,7 @@ class _GenerationRequest(OpenAIModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    # Not supported yet: declared so that a request setting it is refused by check_common
-    # instead of silently ignored.
-    prompt_logprobs: Int | None = None
+    prompt_logprobs: Int | None = None  # completions only (chat refuses it in check_chat)
 
     def check_common(self) -> None:
         """Checks that SamplingParams cannot make (they involve the request as a whole)."""
@@ -93,9 +91,6 @@ class _GenerationRequest(OpenAIModel):
             raise APIError(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
-        for name in _NOT_SUPPORTED_YET:
-            if getattr(self, name) is not None:
-                raise APIError(f"{name} is not supported by this server yet.", param=name)
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError("best_of is not supported: leave it unset or equal to n.", "best_of")
 
@@ -140,6 +135,7 @@ class _GenerationRequest(OpenAIModel):
             "deadline": self.deadline,
             "length_hint": self.length_hint,
             "logit_bias": self._logit_bias(),
+            "prompt_logprobs": self.prompt_logprobs,
         }
         kwargs = {k: v for k, v in fields.items() if v is not None}
         try:
@@ -171,7 +167,6 @@ class CompletionRequest(_GenerationRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-_NOT_SUPPORTED_YET = ("prompt_logprobs",)
 # OpenAI's chat roles; anything else is a 400 rather than text a template prints or drops.
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -213,6 +208,10 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(
                 "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+            )
+        if self.prompt_logprobs is not None:
+            raise APIError(
+                "prompt_logprobs is supported on /v1/completions only.", param="prompt_logprobs"
             )
         if self.functions:
             raise APIError("functions are not supported: use tools.", param="functions")

@@ -1,4 +1,5 @@
-"""logit_bias: OpenAI's semantics in the sampler, the checks, and through the server."""
+"""logit_bias (OpenAI's semantics: sampler, checks, server) and prompt logprobs through the
+server (their engine side: tests/test_prompt_logprobs.py)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,42 @@ def test_logit_bias_through_the_server(server) -> None:
             client.completions.create(model=MODEL, prompt="Hello", logit_bias=bias)
         assert refused.value.body["param"] == "logit_bias"
         assert why in refused.value.body["message"]
+
+
+def test_echo_with_logprobs_leads_with_the_prompt_tokens(server) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    prompt = "def add(a, b):"
+    body = {"prompt": prompt, "add_special_tokens": False}
+    prompt_ids = httpx.post(f"{server.base_url}/tokenize", json=body).json()["tokens"]
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0.0, echo=True, logprobs=2,
+        extra_body={"prompt_logprobs": 2, "ignore_eos": True},
+    )  # fmt: skip
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    n = len(prompt_ids)
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == n + 3 and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[n] == len(prompt)
+    vllm = choice.model_extra["prompt_logprobs"]
+    assert len(vllm) == n and vllm[0] is None
+    for p in range(1, n):
+        entry = vllm[p][str(prompt_ids[p])]
+        assert entry["logprob"] == pytest.approx(lp.token_logprobs[p])
+        assert len(vllm[p]) <= 3 and entry["rank"] >= 1
+    assert resp.usage.prompt_tokens == n
+
+
+def test_prompt_logprobs_are_refused_where_they_are_not_computed(server) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="x", echo=True, logprobs=1, stream=True)
+    assert refused.value.body["param"] == "echo"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}],
+            extra_body={"prompt_logprobs": 1},
+        )  # fmt: skip
+    assert refused.value.body["param"] == "prompt_logprobs"
