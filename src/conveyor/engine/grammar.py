@@ -12,6 +12,7 @@ Why compile in the engine process's own thread rather than in the server's pool:
 grammar is tied to its TokenizerInfo and would have to be serialised across the process pipe;
 compiling where it is used keeps the pipe carrying only the spec. The engine step never waits
 on a compile unless nothing else can run (then it waits briefly instead of spinning).
+xgrammar is imported on first use (about 1 s): engines that never see a constraint skip it.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from conveyor.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # Compact JSON: no free whitespace anywhere, and none after separators either.
 _COMPACT_SEPARATORS = (",", ":")
@@ -50,6 +52,8 @@ def build_grammar(so: StructuredOutputsParams) -> xgr.Grammar:
         GrammarError: the schema, regex or grammar is invalid or unsupported; the message
             names the `structured_outputs` field.
     """
+    import xgrammar as xgr
+
     kind, spec, compact = so.key
     separators = _COMPACT_SEPARATORS if compact else None
     try:
@@ -133,6 +137,8 @@ class GrammarCache:
             return future
 
     def _compile(self, so: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        import xgrammar as xgr
+
         start = time.perf_counter()
         try:
             if self._compiler is None:
@@ -174,6 +180,8 @@ class RequestGrammar:
     __slots__ = ("matcher", "num_accepted")
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        import xgrammar as xgr
+
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
 

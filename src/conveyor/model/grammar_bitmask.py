@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
@@ -27,6 +26,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Any]) -> torch.Te
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return logits
+    import xgrammar as xgr  # imported only once a constrained request runs
+
     vocab = logits.shape[1]
     bitmask = xgr.allocate_token_bitmask(len(requests), vocab)
     for i in rows:
