@@ -242,6 +242,22 @@ def test_streamed_tool_calls_arrive_as_openai_tool_call_deltas(client) -> None:
     _check_calls(deltas)
 
 
+def test_a_named_function_streams_its_arguments(client) -> None:
+    with client.chat.completions.stream(
+        model=MODEL, messages=_ask("booking"), tools=TOOLS, temperature=1.0, seed=9,
+        tool_choice={"type": "function", "function": {"name": "book_room"}},
+    ) as stream:  # fmt: skip
+        pieces = [
+            e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"
+        ]
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "book_room" and call.id.startswith("call-")
+    assert len(pieces) > 1 and "".join(pieces) == call.function.arguments
+    Booking.model_validate_json(call.function.arguments)
+    assert final.choices[0].finish_reason == "stop"
+
+
 def test_auto_reads_plain_text_as_content_and_the_tools_reach_the_template(client) -> None:
     plain = client.chat.completions.create(model=MODEL, messages=_ask("x"), max_tokens=8)
     resp = client.chat.completions.create(

@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 from functools import partial
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
@@ -29,7 +30,8 @@ from conveyor.server.responses import (
 from conveyor.server.sse import ChatChunks
 from conveyor.server.streaming import sse_response
 from conveyor.server.structured import checked_structured_outputs
-from conveyor.server.tools import ToolSetup, tool_setup
+from conveyor.server.tool_parsers import ToolCall
+from conveyor.server.tools import ToolSetup, tool_call_dict, tool_setup
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> Response:
@@ -164,7 +166,8 @@ class _ChatEvents(ChunkEvents):
         self._n = n
         self._top = top
         # With tools, a choice's text is held until it finishes, then read for tool calls
-        # and sent as one delta (tool calls in OpenAI's streamed shape, or the text).
+        # and sent as one delta (tool calls in OpenAI's streamed shape, or the text); a
+        # named function's arguments stream as they come.
         self._tools = tools
         self._held = [""] * n if tools is not None else []
 
@@ -173,6 +176,15 @@ class _ChatEvents(ChunkEvents):
         return [self._chunks.role(i) for i in range(self._n)]
 
     def choice(self, index: int, text: str, output: CompletionOutput, num_generated: int) -> str:
+        if self._tools is not None and self._tools.mode == "named":
+            # The name is known from the start: stream the arguments as they come, OpenAI's
+            # way (the first delta carries the call's id and name).
+            call: dict[str, Any] = {"function": {"arguments": text}}
+            if not self._held[index]:
+                self._held[index] = "opened"
+                call = {**tool_call_dict(ToolCall(str(self._tools.named), text))}
+            finish = output.finish_reason
+            return self._chunks.tool_calls(index, None, [call], finish, num_generated)
         if self._tools is not None:
             self._held[index] += text
             if output.finish_reason is None:
