@@ -94,7 +94,7 @@ BAD_REQUESTS = [
     ("prompt too long", CMPL, {"prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),
     ("unknown model", CMPL, _p(model="gpt-4"), 404, "model"),
     ("stream_options without stream", CMPL, _p(stream_options={}), 400, "stream_options"),
-    ("echo with logprobs", CMPL, _p(echo=True, logprobs=1), 400, "echo"),
+    ("echo with logprobs, streamed", CMPL, _p(echo=True, logprobs=1, stream=True), 400, "echo"),
     ("malformed JSON", CMPL, b'{"prompt": "x",', 400, None),
     ("body not an object", CMPL, [1, 2], 400, None),
     ("body not JSON", CMPL, b"prompt=x", 400, None),

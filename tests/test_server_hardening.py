@@ -224,14 +224,15 @@ def test_a_non_finite_temperature_is_a_400(http, raw) -> None:
 
 # -------------------------------------------------------------------- 9. ignored fields
 IGNORED = [
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CMPL, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
+    (CMPL, {"response_format": {"type": "json_schema", "json_schema": 3}}, "response_format"),
     (CHAT, {"tool_choice": "auto"}, "tool_choice"),
     (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (CHAT, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     (CHAT, {"function_call": "auto"}, "function_call"),
-    (CMPL, {"guided_json": {"type": "object"}}, "guided_json"),
-    (CHAT, {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    (CMPL, {"guided_json": "not json"}, "guided_json"),
+    (CHAT, {"structured_outputs": {"regex": "a+", "structural_tag": "x"}}, "structured_outputs"),
+    (CHAT, {"prompt_logprobs": 1}, "prompt_logprobs"),
     (CHAT, {"messages": [{"role": "foo", "content": "x"}]}, "messages"),
     (CHAT, {"min_tokens": MAX_MODEL_LEN}, "min_tokens"),
 ]
@@ -305,6 +306,11 @@ def test_the_openai_sdk_still_works_against_the_hardened_server(server) -> None:
     assert resp.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model="demo", messages=HI, response_format={"type": "json_object"}
+            model="demo",
+            messages=HI,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "no-such-type"}},
+            },
         )
     assert refused.value.body["param"] == "response_format"

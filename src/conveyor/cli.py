@@ -125,6 +125,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "step for S s is hung: /health 503, its requests fail (120; 0: off)")  # fmt: skip
     add("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=None,
         help="let requests bring their own chat template (off: such requests get 400)")  # fmt: skip
+    add("--tool-call-parser", metavar="NAME", help="how tool_choice auto reads tool calls "
+        "from the model's text: hermes (Qwen2.5) or llama3_json (none: auto is a 400)")  # fmt: skip
     add("--metrics-require-api-key", action=argparse.BooleanOptionalAction, default=None,
         help="with --api-key, /metrics needs the key too (default: open)")  # fmt: skip
     add("--shutdown-timeout", type=float, metavar="S", help="grace period on SIGTERM (10)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.structured_outputs import StructuredOutputsParams
 from conveyor.validation import check_int, check_number
 
 # Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`).
@@ -17,6 +18,8 @@ MAX_LOGPROBS = 20
 # is also how much text a stream holds back until it knows no stop string starts there.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
+# logit_bias entries are added to the logits every step: bounded (OpenAI allows 300).
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(slots=True)
@@ -31,6 +34,14 @@ class SamplingParams:
     first under the `priority` scheduler), `deadline` (seconds from arrival; a request still
     unfinished then ends with finish_reason "abort" and an `abort_reason`), `length_hint`
     (expected output tokens, used instead of `max_tokens` by the SJF-family schedulers).
+
+    `structured_outputs` constrains the output to a JSON schema, a regex, a choice or a
+    grammar (a StructuredOutputsParams, or a dict of its fields); the request then stops with
+    finish_reason "stop" where the constraint is complete. `logit_bias` (OpenAI's) adds a
+    bias in [-100, 100] to the logits of token ids before sampling (-100 bans, 100 all but
+    forces); logprobs stay those of the raw logits. `prompt_logprobs` (vLLM's): the logprob of
+    every prompt token after the first and its top alternatives, from the prompt's own forward
+    (such a request skips the prefix cache, whose hits would not be computed).
     """
 
     n: int = 1
@@ -53,6 +64,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     deadline: float | None = None
     length_hint: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -63,6 +77,8 @@ class SamplingParams:
         else:
             self.stop_strings = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._verify()
 
     def _verify(self) -> None:
@@ -93,6 +109,8 @@ class SamplingParams:
             check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
         if self.deadline is not None:
             check_number(
@@ -115,6 +133,29 @@ class SamplingParams:
                     f"stop must be strings of at most {MAX_STOP_STRING_CHARS} characters, "
                     f"got one of {len(s)}."
                 )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
+                f"got {type(so).__name__}."
+            )
+        self._verify_logit_bias()
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
+
+    def _verify_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must map token ids to biases, got {type(bias).__name__}.")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias must hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}."
+            )
+        for t, b in bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}.")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r}.")

@@ -90,6 +90,11 @@ class PromptLimits:
         for t in prompt_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise PromptError(f"Prompt token ids must be integers in [0, {vocab}); got {t!r}.")
+        for t in params.logit_bias or ():
+            if t >= vocab:
+                raise PromptError(
+                    f"logit_bias keys must be token ids in [0, {vocab}); got {t}.", "logit_bias"
+                )
         n, limit = len(prompt_ids), self.max_model_len
         context = f"This model's maximum context length is {limit} tokens{self.context_note}."
         if n >= limit:

@@ -217,7 +217,11 @@ class Scheduler:
                 continue
             # Waiting requests hold nothing; a preempted one recomputes prompt + outputs, both
             # minus what the prefix cache still holds (their own freed blocks included).
-            hits = bm.get_computed_blocks(req)
+            # Prompt logprobs need every prompt token's logits: no cache hits for them.
+            if req.sampling_params.prompt_logprobs is None:
+                hits = bm.get_computed_blocks(req)
+            else:
+                hits = []
             num_cached = len(hits) * bm.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not bm.allocate_slots(req, n, hits):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from typing import Any
 
 from conveyor.sampling_params import SamplingParams
 
@@ -57,6 +58,7 @@ class Sequence:
         "deadline_at",
         "eos_token_id",
         "fault",
+        "grammar",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -109,6 +111,10 @@ class Sequence:
         # Scheduler clock time at which it last joined `running` (None while never admitted);
         # preemptive policies leave a request alone for a cooldown after this.
         self.admitted_at: float | None = None
+        # Its output constraint's matcher (conveyor.engine.grammar.RequestGrammar; opaque to
+        # core); None when unconstrained. It follows `output_token_ids`, which a recompute
+        # after preemption keeps, so preemption never invalidates it.
+        self.grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

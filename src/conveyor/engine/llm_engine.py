@@ -20,6 +20,8 @@ from conveyor.core.limits import PromptLimits
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.grammar import GrammarCache
+from conveyor.engine.grammar_queue import GrammarQueue
 from conveyor.engine.output_state import OutputState, RequestState
 from conveyor.engine.outputs import Metric, RequestMetrics, RequestOutput
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -54,6 +56,11 @@ class LLMEngine:
         self.limits = PromptLimits(
             self.max_model_len, self.runner.vocab_size, kv_capacity, self.runner.context_note
         )
+        self.grammars = GrammarCache(
+            self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids
+        )
+        # Sequences with structured outputs whose grammar is still compiling.
+        self._grammar_queue = GrammarQueue()
         self._parents: dict[str, RequestState] = {}
         self._seqs: dict[str, OutputState] = {}
         # What the current step scheduled (None until schedule() returned), for abort_step().
@@ -100,11 +107,15 @@ class LLMEngine:
         parent = RequestState(
             request_id, prompt_text, prompt_ids, stream, delta, RequestMetrics(arrival)
         )
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = {}
         for i in range(params.n):
             seq_params = params
             if params.n > 1 and params.seed is not None:
                 # Each of the n samples gets its own reproducible stream.
                 seq_params = dataclasses.replace(params, seed=params.seed + i)
+            if i > 0 and params.prompt_logprobs is not None:  # the first sample computes them
+                seq_params = dataclasses.replace(seq_params, prompt_logprobs=None)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Sequence(
                 seq_id,
@@ -125,8 +136,13 @@ class LLMEngine:
             parent.seqs.append(seq)
             self._seqs[seq_id] = seq
         self._parents[request_id] = parent
+        so = params.structured_outputs
+        grammar = None if so is None else self.grammars.get(so)
         for seq in parent.seqs:
-            self.scheduler.add_request(seq.request)
+            if grammar is None:
+                self.scheduler.add_request(seq.request)
+            else:  # joins the scheduler once its grammar is compiled (see step)
+                self._grammar_queue.add(seq.request, grammar)
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Reject a prompt that can never run; return its output cap (see PromptLimits)."""
@@ -153,6 +169,8 @@ class LLMEngine:
             for s in parent.seqs:
                 if reason is not None and not s.request.is_finished:
                     s.request.abort_reason = reason
+                if self._grammar_queue.remove(s.request.request_id) is not None:
+                    s.request.status = SequenceStatus.FINISHED_ABORTED
             self.scheduler.finish_requests(
                 [s.request.request_id for s in parent.seqs], SequenceStatus.FINISHED_ABORTED
             )
@@ -215,11 +233,13 @@ class LLMEngine:
             finished in this step.
         """
         self._step_scheduled = None
+        compile_failures = self._admit_compiled() if self._grammar_queue else []
         sched_out = self.scheduler.schedule()
         self._step_scheduled = sched_out.scheduled
         self.last_step_num_tokens = sched_out.total_num_scheduled_tokens
         self.runner.remove_requests(sched_out.finished_request_ids)
-        expired = self._report_finished_by_scheduler(sched_out.finished_request_ids)
+        expired = compile_failures
+        expired += self._report_finished_by_scheduler(sched_out.finished_request_ids)
         if sched_out.total_num_scheduled_tokens == 0:
             return expired
         now = time.monotonic()
@@ -227,7 +247,12 @@ class LLMEngine:
             m = self._parents[self._seqs[req.request_id].parent_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        sampled, sampler_out = self.runner.execute(sched_out)
+        sampled, sampler_out, prompt_lps = self.runner.execute(sched_out)
+        for rid, entries in prompt_lps.items():
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                parent = self._parents[seq.parent_id]
+                parent.add_prompt_logprobs(entries, self.tokenizer.id_to_token_text)
         if sampler_out is None:
             self.scheduler.update_from_output(sched_out, {})
             return expired
@@ -251,6 +276,12 @@ class LLMEngine:
             try:
                 if req.fault is not None:  # its token-level stop check raised
                     raise req.fault
+                if req.grammar is not None:
+                    req.grammar.sync(req.output_token_ids)
+                    if req.grammar.terminated:  # the constraint is complete: stop there
+                        self.scheduler.finish_requests(
+                            [req.request_id], SequenceStatus.FINISHED_STOPPED
+                        )
                 if seq.update(tokens[req.request_id], logprobs[req.request_id], decode):
                     self.scheduler.finish_requests(
                         [req.request_id], SequenceStatus.FINISHED_STOPPED
@@ -272,6 +303,21 @@ class LLMEngine:
                 self._forget(parent)
             elif parent.stream:
                 outputs.append(parent.output())
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand the sequences whose grammar is compiled to the scheduler; fail those whose
+        compile failed. With nothing else to run, wait briefly for a compile (no spinning)."""
+        idle = not self.scheduler.has_unfinished_requests()
+        ready, failed = self._grammar_queue.pop_ready(wait_s=0.05 if idle else 0.0)
+        for req in ready:
+            self.scheduler.add_request(req)
+        outputs = []
+        for req, exc in failed:
+            req.status = SequenceStatus.FINISHED_ABORTED
+            seq = self._seqs.get(req.request_id)
+            if seq is not None:  # None: it failed through a sibling sequence already
+                outputs.append(self._fail(seq.parent_id, exc))
         return outputs
 
     def _report_finished_by_scheduler(self, finished_ids: list[str]) -> list[RequestOutput]:

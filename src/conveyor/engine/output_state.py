@@ -96,6 +96,32 @@ class RequestState:
     delta: bool
     metrics: RequestMetrics
     seqs: list[OutputState] = field(default_factory=list)
+    # Prompt position -> its logprob entry, while prompt_logprobs are being computed (None:
+    # not asked for); reported once complete, once if delta.
+    prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
+    prompt_logprobs_sent: bool = False
+
+    def add_prompt_logprobs(
+        self, entries: list[tuple[int, TokenLogprobs]], decode: Callable[[int], str]
+    ) -> None:
+        """Record prompt logprobs by position (a recompute after preemption overwrites)."""
+        if self.prompt_logprobs is None:
+            return
+        for position, lp in entries:
+            entry = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
+            for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+                if tid not in entry:
+                    entry[tid] = Logprob(value, rank, decode(tid))
+            self.prompt_logprobs[position] = entry
+
+    def _prompt_logprobs_out(self) -> list[dict[int, Logprob] | None] | None:
+        lps = self.prompt_logprobs
+        if lps is None or len(lps) < len(self.prompt_token_ids) - 1:
+            return None
+        if self.delta and self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        return [None] + [lps[p] for p in range(1, len(self.prompt_token_ids))]
 
     @property
     def finished(self) -> bool:
@@ -110,4 +136,5 @@ class RequestState:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=max(self.seqs[0].request.num_cached_tokens, 0),
+            prompt_logprobs=self._prompt_logprobs_out(),
         )

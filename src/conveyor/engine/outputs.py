@@ -64,6 +64,9 @@ class RequestOutput:
     # Prompt tokens whose K/V came from the prefix cache (of the first sample, the one that
     # stands for the prompt when n > 1), as vLLM reports it.
     num_cached_tokens: int = 0
+    # vLLM's prompt_logprobs: None for the first prompt token, then each token's entry; set in
+    # the first output after the prompt was computed (in every later one too unless delta).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a later delta output of the same request into this one (like vLLM's `add`).
@@ -96,6 +99,8 @@ class RequestOutput:
         self.error = delta.error
         self.metrics = delta.metrics
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 @dataclass(slots=True, frozen=True)

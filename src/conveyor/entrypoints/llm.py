@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.grammar import check_structured_outputs
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import Metric, RequestOutput
 from conveyor.sampling_params import SamplingParams
@@ -123,6 +124,10 @@ class LLM:
         # Check everything first so a bad prompt queues nothing.
         for ids, params in zip(token_prompts, params_list, strict=True):
             engine.check_prompt(ids, params)
+        constraints = {p.structured_outputs.key: p.structured_outputs for p in params_list
+                       if p.structured_outputs is not None}  # fmt: skip
+        for so in constraints.values():
+            check_structured_outputs(so)  # a schema that cannot compile is a ValueError here
 
         request_ids = []
         for text, ids, params in zip(prompt_list, token_prompts, params_list, strict=True):

@@ -49,16 +49,27 @@ def pack_output(out: RequestOutput) -> tuple[Any, ...]:
     if m is not None:
         metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time)
     completions = [_pack_completion(c) for c in out.outputs]
-    return (out.request_id, completions, out.finished, out.error, metrics, out.num_cached_tokens)
+    prompt_lps = None
+    if out.prompt_logprobs is not None:
+        prompt_lps = [_pack_entry(e) if e is not None else None for e in out.prompt_logprobs]
+    return (
+        out.request_id, completions, out.finished, out.error, metrics, out.num_cached_tokens,
+        prompt_lps,
+    )  # fmt: skip
+
+
+def _pack_entry(entry: dict[int, Logprob]) -> dict[int, tuple[Any, ...]]:
+    return {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items()}
+
+
+def _unpack_entry(entry: dict[int, tuple[Any, ...]]) -> dict[int, Logprob]:
+    return {t: Logprob(*lp) for t, lp in entry.items()}
 
 
 def _pack_completion(c: CompletionOutput) -> tuple[Any, ...]:
     logprobs = None
     if c.logprobs is not None:
-        logprobs = [
-            {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items()}
-            for entry in c.logprobs
-        ]
+        logprobs = [_pack_entry(entry) for entry in c.logprobs]
     return (
         c.index, c.text, c.token_ids, c.cumulative_logprob, logprobs,
         c.finish_reason, c.stop_reason, c.abort_reason,
@@ -67,15 +78,19 @@ def _pack_completion(c: CompletionOutput) -> tuple[Any, ...]:
 
 def unpack_output(packed: tuple[Any, ...]) -> RequestOutput:
     """The RequestOutput `pack_output` packed, with prompt None and no prompt ids."""
-    request_id, completions, finished, error, metrics, num_cached = packed
+    request_id, completions, finished, error, metrics, num_cached, prompt_lps = packed
     outputs = []
     for index, text, ids, cumulative, logprobs, *ends in completions:
         if logprobs is not None:
-            logprobs = [{t: Logprob(*lp) for t, lp in entry.items()} for entry in logprobs]
+            logprobs = [_unpack_entry(entry) for entry in logprobs]
         outputs.append(CompletionOutput(index, text, ids, cumulative, logprobs, *ends))
     if metrics is not None:
         metrics = RequestMetrics(*metrics)
-    return RequestOutput(request_id, None, [], outputs, finished, error, metrics, num_cached)
+    if prompt_lps is not None:
+        prompt_lps = [_unpack_entry(e) if e is not None else None for e in prompt_lps]
+    return RequestOutput(
+        request_id, None, [], outputs, finished, error, metrics, num_cached, prompt_lps
+    )
 
 
 def picklable(exc: Exception) -> Exception:

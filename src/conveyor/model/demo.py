@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 # Bump when anything below changes the written bytes: cached folders are keyed by it.
-DEMO_RECIPE_VERSION = "1"
+DEMO_RECIPE_VERSION = "2"
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # The BPE trainer gives special tokens the first ids in this order: 0, 1, 2.
@@ -77,13 +77,28 @@ GENERATION_CONFIG: dict[str, Any] = {
 }
 
 # ChatML. `content` may be a string or a list of OpenAI-style parts ({"type": "text", ...}).
+# ChatML. With `tools`, a system turn lists them first and asks for Hermes-style calls
+# (<tool_call>{"name": ..., "arguments": ...}</tool_call>), as Qwen2.5 does; an assistant turn's
+# `tool_calls` print in that form, and `tool` turns print like any other role.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n# Tools\\n\\nYou may call one or more functions. "
+    "Their signatures are within <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and "
+    "arguments within <tool_call></tool_call> tags.<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
+    "{%- elif message['content'] is not none %}{%- for part in message['content'] %}"
     "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
     "{%- endfor %}{%- endif %}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set args = call['function']['arguments'] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{- args if args is string else (args | tojson) }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"

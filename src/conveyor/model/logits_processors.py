@@ -4,7 +4,7 @@ Each works on a float32 [N, V] batch whose row i belongs to requests[i] (or para
 touches only the rows that asked for it; the Sampler (conveyor.model.sampler) decides which
 stages run and in what order:
 
-    min_tokens, penalties: in place, on raw logits (rows of any temperature)
+    min_tokens, penalties, logit_bias: in place, on raw logits (rows of any temperature)
     min_p, top_k, top_p:   on logits / temperature (random rows only), masked with -inf
 """
 
@@ -40,6 +40,24 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Sequence]) -> None:
     if rows:
         dev = logits.device
         logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[Sequence]) -> None:
+    """In place: add each row's logit_bias (token id -> bias) to its logits."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, req in enumerate(requests):
+        for t, b in (req.sampling_params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(t)
+            vals.append(float(b))
+    if rows:
+        dev = logits.device
+        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        logits.index_put_(
+            index, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True
+        )
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Sequence]) -> None:

@@ -21,6 +21,7 @@ import logging
 import torch
 
 from conveyor.core.block_manager import cdiv
+from conveyor.core.logprobs import TokenLogprobs
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence
 from conveyor.engine.config import EngineConfig
@@ -44,6 +45,7 @@ from conveyor.model.loader import (
     resolve_model_class,
 )
 from conveyor.model.logits_guard import FiniteLogitsGuard
+from conveyor.model.prompt_logprobs import PromptRows, prompt_logprobs
 from conveyor.model.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
@@ -230,30 +232,33 @@ class ModelRunner:
             self.sampler.remove_requests(request_ids)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
+    def execute(
+        self, out: SchedulerOutput
+    ) -> tuple[list[Sequence], SamplerOutput | None, dict[str, list[tuple[int, TokenLogprobs]]]]:
         """Run one step.
 
         Returns:
-            the requests that were sampled (in row order) and the sampler's output for them
-            (None when no request reached the end of its tokens this step).
+            the requests that were sampled (in row order), the sampler's output for them
+            (None when no request reached the end of its tokens this step), and the prompt
+            logprobs this step's rows gave: request id -> [(prompt position, TokenLogprobs)].
         """
-        input_ids, meta, sample_rows, sampled = self._prepare(out)
-        if not sampled:
-            # Pure prefill-chunk step: the K/V still has to be written.
-            self.model(input_ids, meta.positions, self.kv_caches, meta)
-            return [], None
+        input_ids, meta, sample_rows, sampled, prompt_rows = self._prepare(out)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        prompt_lps = prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else {}
+        if not sampled:  # a pure prefill-chunk step: it wrote the K/V
+            return [], None, prompt_lps
         logits = self.model.compute_logits(hidden[sample_rows])
-        return sampled, self.sampler(logits, sampled)
+        return sampled, self.sampler(logits, sampled), prompt_lps
 
     def _prepare(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence], list[PromptRows]]:
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sampled: list[Sequence] = []
         sample_rows: list[int] = []
+        prompt_rows: list[PromptRows] = []
         tables = []
         row = 0
         for req in out.scheduled:
@@ -264,6 +269,10 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(out.block_tables[req.request_id])
+            # Row of position p predicts token p + 1: prompt tokens up to the prompt's last.
+            last = min(end, req.num_prompt_tokens - 1)
+            if req.sampling_params.prompt_logprobs is not None and start < last:
+                prompt_rows.append((req, start + 1, row, last - start))
             row += n
             if end == req.num_tokens:
                 sampled.append(req)
@@ -274,4 +283,4 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, meta, rows, sampled
+        return input_ids, meta, rows, sampled, prompt_rows

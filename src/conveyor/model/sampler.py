@@ -4,8 +4,10 @@ Stages, each skipped when no row needs it (the logits ones: conveyor.model.logit
 
     raw logits ──► logprobs (log_softmax of the raw logits, as vLLM's default)
         │
+        ├─ structured outputs: tokens the row's grammar forbids -> -inf
         ├─ min_tokens: mask eos / stop_token_ids while too few outputs
         ├─ penalties: repetition (prompt + output), frequency / presence (output)
+        ├─ logit_bias: + bias per token id
         │
         ├─ greedy rows ──────────────────────────────────────────► argmax
         └─ random rows: / temperature ─► min_p ─► top_k ─► top_p ─► argmax(probs / q)
@@ -26,7 +28,9 @@ import torch
 
 from conveyor.core.logprobs import TokenLogprobs
 from conveyor.core.sequence import Sequence
+from conveyor.model.grammar_bitmask import apply_grammar_bitmask
 from conveyor.model.logits_processors import (
+    apply_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
@@ -79,6 +83,8 @@ class Sampler:
         n = len(requests)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [{n}, V] for {n} requests, got {list(logits.shape)}")
+        raw = logits
+        logits = apply_grammar_bitmask(logits, requests)
         params = [r.sampling_params for r in requests]
         temps = [p.temperature for p in params]
         random_rows = [i for i, t in enumerate(temps) if t >= _SAMPLING_EPS]
@@ -91,16 +97,18 @@ class Sampler:
             len(r.output_token_ids) < r.sampling_params.min_tokens for r in requests
         )
 
-        if not (random_rows or lp_rows or needs_penalty or needs_min_tokens):
+        needs_bias = any(p.logit_bias for p in params)
+        if not (random_rows or lp_rows or needs_penalty or needs_min_tokens or needs_bias):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n)  # all-greedy fast path
 
-        raw = logits
-        if needs_min_tokens or needs_penalty:
-            logits = logits.clone()
+        if needs_min_tokens or needs_penalty or needs_bias:
+            logits = logits.clone() if logits is raw else logits
             if needs_min_tokens:
                 apply_min_tokens(logits, requests)
             if needs_penalty:
                 apply_penalties(logits, requests)
+            if needs_bias:
+                apply_logit_bias(logits, requests)
 
         if len(random_rows) == n:
             tokens = self._sample(logits, requests)

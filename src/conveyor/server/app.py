@@ -104,6 +104,7 @@ def build_app(
         aliases=tuple(engine.served_model_names[1:]),
         max_prompts=config.max_prompts_per_request,
         trust_request_chat_template=config.trust_request_chat_template,
+        tool_call_parser=config.tool_call_parser,
     )
     app.state.ctx = ctx
 

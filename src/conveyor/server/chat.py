@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from functools import partial
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
@@ -27,6 +29,9 @@ from conveyor.server.responses import (
 )
 from conveyor.server.sse import ChatChunks
 from conveyor.server.streaming import sse_response
+from conveyor.server.structured import checked_structured_outputs
+from conveyor.server.tool_parsers import ToolCall
+from conveyor.server.tools import ToolSetup, tool_call_dict, tool_setup
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> Response:
@@ -49,9 +54,26 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if max_tokens is None:
         max_tokens = req.max_tokens
     params = ctx.with_timeout(req.sampling_params(max_tokens, top))
+    tools = tool_setup(req.tools, req.tool_choice, ctx.tool_call_parser)
+    structured = await checked_structured_outputs(req)
+    forced = None if tools is None else tools.constraint()
+    if forced is not None:
+        if structured is not None:
+            raise APIError(
+                "A required or named tool_choice constrains the output itself: send no "
+                "response_format or structured_outputs with it.",
+                param="tool_choice",
+            )
+        structured = forced
+    if structured is not None:
+        params = dataclasses.replace(params, structured_outputs=structured)
     ctx.check_size(params.n)  # before the template runs
     prompt_ids = await ctx.render_chat(
-        req.messages, bool(req.add_generation_prompt), req.chat_template_kwargs, req.chat_template
+        req.messages,
+        bool(req.add_generation_prompt),
+        req.chat_template_kwargs,
+        req.chat_template,
+        req.tools,
     )
     ctx.check_fits(prompt_ids, params, "messages")
     ctx.admit(params.n)
@@ -68,6 +90,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             len(prompt_ids),
             include_usage,
             continuous_usage,
+            tools,
         )
         return sse_response(events)
 
@@ -78,18 +101,22 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         else:
             final.add(out)
     assert final is not None  # a stream always ends with a finished output
-    choices = [
-        ChatCompletionResponseChoice(
-            index=c.index,
-            message=ChatResponseMessage(content=c.text),
-            logprobs=None
-            if top is None or c.logprobs is None
-            else chat_logprobs(c.token_ids, c.logprobs, top),
-            finish_reason=c.finish_reason,
-            stop_reason=stop_reason(c),
+    choices = []
+    for c in final.outputs:
+        content, calls, finish_reason = c.text, [], c.finish_reason
+        if tools is not None:
+            content, calls, finish_reason = tools.read(c.text, c.finish_reason)
+        choices.append(
+            ChatCompletionResponseChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=content, tool_calls=calls),
+                logprobs=None
+                if top is None or c.logprobs is None
+                else chat_logprobs(c.token_ids, c.logprobs, top),
+                finish_reason=finish_reason,
+                stop_reason=stop_reason(c),
+            )
         )
-        for c in final.outputs
-    ]
     num_generated = sum(len(c.token_ids) for c in final.outputs)
     body = ChatCompletionResponse(
         id=request_id,
@@ -109,11 +136,13 @@ def _stream(
     num_prompt_tokens: int,
     include_usage: bool,
     continuous_usage: bool,
+    tools: ToolSetup | None = None,
 ) -> AsyncIterator[str]:
     """The request's SSE events: every choice's role first, then its text."""
     events = partial(
-        _ChatEvents, request_id, ctx.model_name, num_prompt_tokens, continuous_usage, n, top
-    )
+        _ChatEvents, request_id, ctx.model_name, num_prompt_tokens, continuous_usage, n, top,
+        tools,
+    )  # fmt: skip
     return stream_choices(events, [stream], n, include_usage)
 
 
@@ -129,18 +158,41 @@ class _ChatEvents(ChunkEvents):
         continuous_usage: bool,
         n: int,
         top: int | None,
+        tools: ToolSetup | None = None,
     ) -> None:
         self._chunks = ChatChunks(
             request_id, int(time.time()), model, num_prompt_tokens, continuous_usage
         )
         self._n = n
         self._top = top
+        # With tools, a choice's text is held until it finishes, then read for tool calls
+        # and sent as one delta (tool calls in OpenAI's streamed shape, or the text); a
+        # named function's arguments stream as they come.
+        self._tools = tools
+        self._held = [""] * n if tools is not None else []
 
     def openings(self) -> list[str]:
         # The first chunk of every choice carries the role, before any token is made.
         return [self._chunks.role(i) for i in range(self._n)]
 
     def choice(self, index: int, text: str, output: CompletionOutput, num_generated: int) -> str:
+        if self._tools is not None and self._tools.mode == "named":
+            # The name is known from the start: stream the arguments as they come, OpenAI's
+            # way (the first delta carries the call's id and name).
+            call: dict[str, Any] = {"function": {"arguments": text}}
+            if not self._held[index]:
+                self._held[index] = "opened"
+                call = {**tool_call_dict(ToolCall(str(self._tools.named), text))}
+            finish = output.finish_reason
+            return self._chunks.tool_calls(index, None, [call], finish, num_generated)
+        if self._tools is not None:
+            self._held[index] += text
+            if output.finish_reason is None:
+                return ""
+            content, calls, finish = self._tools.read(self._held[index], output.finish_reason)
+            if calls:
+                return self._chunks.tool_calls(index, content, calls, finish, num_generated)
+            text = self._held[index]
         # OpenAI's last chunk has an empty delta unless it still carries text.
         content = text if text or output.finish_reason is None else None
         logprobs = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -24,6 +25,7 @@ from conveyor.server.responses import (
 )
 from conveyor.server.sse import CompletionChunks
 from conveyor.server.streaming import merge_streams, sse_response
+from conveyor.server.structured import checked_structured_outputs
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Response:
@@ -36,12 +38,20 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
     req.check_common()
     if req.suffix:
         raise APIError("suffix is not supported by this server.", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise APIError(
-            "echo together with logprobs is not supported: prompt logprobs are not computed.",
-            param="echo",
-        )
     params = ctx.with_timeout(req.sampling_params(req.max_tokens, req.logprobs))
+    echo_logprobs = bool(req.echo) and req.logprobs is not None
+    if echo_logprobs:  # the prompt's tokens lead the logprobs, computed with the prompt
+        num = max(params.prompt_logprobs or 0, req.logprobs)
+        params = dataclasses.replace(params, prompt_logprobs=num)
+    if req.stream and params.prompt_logprobs is not None:
+        raise APIError(
+            "Prompt logprobs (prompt_logprobs, or echo with logprobs) are not streamed: "
+            "send them with stream false.",
+            param="prompt_logprobs" if req.prompt_logprobs is not None else "echo",
+        )
+    structured = await checked_structured_outputs(req)
+    if structured is not None:
+        params = dataclasses.replace(params, structured_outputs=structured)
     engine = ctx.engine
     prompts = req.prompts()
     ctx.check_size(params.n, len(prompts))  # before any prompt is tokenized
@@ -90,9 +100,15 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
         for c in final.outputs:
             num_generated += len(c.token_ids)
             text = c.text if echo_texts is None else echo_texts[i] + c.text
-            logprobs = None
+            logprobs, offset = None, 0
+            if echo_logprobs and final.prompt_logprobs is not None:
+                first = engine.tokenizer.id_to_token_text(prompt_ids[i][0])
+                logprobs, offset = echoed_logprobs(
+                    prompt_ids[i], final.prompt_logprobs, first, req.logprobs
+                )
             if req.logprobs is not None and c.logprobs is not None:
-                logprobs = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0)[0]
+                generated = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, offset)[0]
+                logprobs = generated if logprobs is None else logprobs.extended(generated)
             choices.append(
                 CompletionResponseChoice(
                     index=i * params.n + c.index,
@@ -100,6 +116,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=stop_reason(c),
+                    prompt_logprobs=None
+                    if req.prompt_logprobs is None
+                    else vllm_prompt_logprobs(final.prompt_logprobs),
                 )
             )
     body = CompletionResponse(
@@ -199,3 +218,33 @@ def completion_logprobs(
         out.text_offset.append(offset)
         offset += len(token)
     return out, offset
+
+
+def echoed_logprobs(
+    prompt_ids: list[int], entries: list[dict[int, Logprob] | None], first: str, num: int
+) -> tuple[CompletionLogProbs, int]:
+    """The prompt's part of an echoed choice's logprobs: its first token has none (as in
+    OpenAI and vLLM), the others their prompt logprobs. Returns it and the text offset after."""
+    out = CompletionLogProbs(
+        text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None]
+    )
+    rest, offset = completion_logprobs(prompt_ids[1:], entries[1:], num, len(first))  # type: ignore[arg-type]
+    return out.extended(rest), offset
+
+
+def vllm_prompt_logprobs(
+    entries: list[dict[int, Logprob] | None] | None,
+) -> list[dict[str, dict[str, object]] | None] | None:
+    """vLLM's `prompt_logprobs` of a choice: token id -> logprob, rank, decoded token."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
+                     "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 
 from conveyor.engine.config import EngineConfig
 from conveyor.model.checkpoint import check_checkpoint
+from conveyor.server.tool_parsers import TOOL_CALL_PARSERS
 from conveyor.validation import check_choice, check_int, check_number, check_positive_int
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
@@ -47,6 +48,9 @@ class ServerConfig:
     # Requests may bring their own chat template (code that runs on the server): off.
     trust_request_chat_template: bool = False
     metrics_require_api_key: bool = False  # with api_key, /metrics needs it too
+    # How `tool_choice: "auto"` reads tool calls from the model's text (server/tool_parsers.py);
+    # None: "auto" is a 400 (required and named functions work without one).
+    tool_call_parser: str | None = None
     # The engine in its own process: streaming work never holds up a step through the GIL.
     engine_process: bool = True
 
@@ -81,6 +85,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError(f"api_key must be a non-empty string, got {self.api_key!r}.")
+        if self.tool_call_parser is not None:
+            check_choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_CALL_PARSERS))
         names = self.served_model_name
         if names is not None:
             listed = [names] if isinstance(names, str) else names

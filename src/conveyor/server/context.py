@@ -34,6 +34,7 @@ class ServingContext:
     aliases: further names requests may use (listed in /v1/models after model_name).
     max_prompts: the most prompts one completions request may hold (None: no cap).
     trust_request_chat_template: requests may bring their own chat template.
+    tool_call_parser: reads tool calls for tool_choice "auto" (None: "auto" is a 400).
     """
 
     engine: AsyncLLM
@@ -44,6 +45,7 @@ class ServingContext:
     aliases: tuple[str, ...] = ()
     max_prompts: int | None = None
     trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None
 
     @property
     def served_names(self) -> list[str]:
@@ -138,6 +140,7 @@ class ServingContext:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Prompt token ids of chat messages, through the chat template (the tokenizer's, or
         the request's own if the server trusts request templates), rendered off the loop.
@@ -149,6 +152,8 @@ class ServingContext:
         kwargs = checked_template_kwargs(
             template_kwargs, chat_template, self.trust_request_chat_template
         )
+        if tools:
+            kwargs["tools"] = tools
         dumped = [m.for_template() for m in messages]
         self.check_text_length(_num_chars(dumped), "messages")
         tokenizer = self.engine.tokenizer

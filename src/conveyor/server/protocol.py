@@ -76,15 +76,14 @@ class _GenerationRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     best_of: Int | None = None
-    # Not supported yet (structured outputs and prompt logprobs are later work): declared so
-    # that a request setting them is refused by check_common instead of silently ignored.
+    # Output constraints (server/structured.py turns them into StructuredOutputsParams).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    prompt_logprobs: Int | None = None
+    prompt_logprobs: Int | None = None  # completions only (chat refuses it in check_chat)
 
     def check_common(self) -> None:
         """Checks that SamplingParams cannot make (they involve the request as a whole)."""
@@ -92,18 +91,22 @@ class _GenerationRequest(OpenAIModel):
             raise APIError(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by this server.", param="logit_bias")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(
-                'response_format is not supported by this server yet (only {"type": "text"}).',
-                param="response_format",
-            )
-        for name in _NOT_SUPPORTED_YET:
-            if getattr(self, name) is not None:
-                raise APIError(f"{name} is not supported by this server yet.", param=name)
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError("best_of is not supported: leave it unset or equal to n.", "best_of")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys (strings)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isdigit():
+                raise APIError(
+                    f"logit_bias keys must be token ids (non-negative integers), got {key!r}.",
+                    param="logit_bias",
+                )
+            out[int(key)] = bias
+        return out
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; a range error becomes a 400 naming the field.
@@ -131,6 +134,8 @@ class _GenerationRequest(OpenAIModel):
             "priority": self.priority,
             "deadline": self.deadline,
             "length_hint": self.length_hint,
+            "logit_bias": self._logit_bias(),
+            "prompt_logprobs": self.prompt_logprobs,
         }
         kwargs = {k: v for k, v in fields.items() if v is not None}
         try:
@@ -162,14 +167,6 @@ class CompletionRequest(_GenerationRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-_NOT_SUPPORTED_YET = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "prompt_logprobs",
-)
 # OpenAI's chat roles; anything else is a 400 rather than text a template prints or drops.
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -212,13 +209,14 @@ class ChatCompletionRequest(_GenerationRequest):
             raise APIError(
                 "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
             )
-        if self.tools:
-            raise APIError("tools are not supported by this server.", param="tools")
+        if self.prompt_logprobs is not None:
+            raise APIError(
+                "prompt_logprobs is supported on /v1/completions only.", param="prompt_logprobs"
+            )
         if self.functions:
-            raise APIError("functions are not supported by this server.", param="functions")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise APIError(f'{name} is not supported by this server (only "none").', param=name)
+            raise APIError("functions are not supported: use tools.", param="functions")
+        if self.function_call not in (None, "none"):
+            raise APIError("function_call is not supported: use tool_choice.", "function_call")
 
 
 class TokenizeRequest(OpenAIModel):

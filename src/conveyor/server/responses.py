@@ -73,6 +73,15 @@ class CompletionLogProbs(_Whole):
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
+    def extended(self, more: CompletionLogProbs) -> CompletionLogProbs:
+        """These positions followed by `more`'s."""
+        return CompletionLogProbs(
+            text_offset=self.text_offset + more.text_offset,
+            token_logprobs=self.token_logprobs + more.token_logprobs,
+            tokens=self.tokens + more.tokens,
+            top_logprobs=self.top_logprobs + more.top_logprobs,
+        )
+
 
 class CompletionResponseChoice(BaseModel):
     index: int
@@ -80,6 +89,8 @@ class CompletionResponseChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: per prompt token (None for the first), token id -> logprob, rank, decoded_token.
+    prompt_logprobs: list[dict[str, dict[str, object]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -150,6 +161,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, object]] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -14,7 +14,7 @@ engine gives (pydantic validates it). tests/test_sse_encoding.py checks both pat
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
@@ -156,6 +156,21 @@ class ChatChunks(_Chunks):
             '"logprobs":null,"finish_reason":null}'
         )
         return self._choice_event(encoded, 0)
+
+    def tool_calls(
+        self,
+        index: int,
+        content: str | None,
+        calls: list[dict[str, Any]],
+        finish_reason: str | None,
+        num_generated: int,
+    ) -> str:
+        """A choice's last event carrying its tool calls (each with its `index`)."""
+        delta = DeltaMessage(
+            content=content, tool_calls=[{"index": i, **c} for i, c in enumerate(calls)]
+        )
+        choice = ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish_reason)
+        return self._model_event(choice, num_generated)
 
     def choice(
         self,
