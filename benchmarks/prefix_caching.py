@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +39,6 @@ import numpy as np
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.demo import demo_model_path
 
 _SIDE_BY_SIDE = Path(__file__).resolve().parent / "side_by_side.py"
 _SPEC = importlib.util.spec_from_file_location("bench_side_by_side", _SIDE_BY_SIDE)
@@ -166,17 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
     lo, hi = args.user_tokens
     if not 1 <= lo <= hi:
         p.error("--user-tokens MIN MAX needs 1 <= MIN <= MAX")
-    tmp = None
-    try:
-        if args.shape:
-            tmp = Path(tempfile.mkdtemp(prefix=f"prefix_caching_{args.shape}_"))
-            model = str(side_by_side.write_shape(args.shape, tmp, args.seed))
-        else:
-            model = args.model or str(demo_model_path())
+    with side_by_side.model_folder(args, "prefix_caching") as model:
         return _run(args, model)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run(args, model: str) -> dict:

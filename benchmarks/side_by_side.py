@@ -26,6 +26,7 @@ folder with the demo model's tokenizer. stdout has one JSON object; progress goe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -333,17 +335,22 @@ def main(argv: list[str] | None = None) -> dict:
         _check_vllm_python(p, args.vllm_python)
     progress = not args.disable_tqdm
 
-    tmp = None
-    try:
-        if args.shape:
-            tmp = Path(tempfile.mkdtemp(prefix=f"side_by_side_{args.shape}_"))
-            model = str(write_shape(args.shape, tmp, args.seed))
-        else:
-            model = args.model or str(demo_model_path())
+    with model_folder(args, "side_by_side") as model:
         return _run(args, model, progress)
+
+
+@contextlib.contextmanager
+def model_folder(args: argparse.Namespace, prefix: str) -> Iterator[str]:
+    """The checkpoint a benchmark runs: `--shape`'s random-weight Llama written to a temporary
+    folder (removed afterwards, seeded by `--seed`), else `--model`, else the demo model."""
+    if not args.shape:
+        yield args.model or str(demo_model_path())
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}_{args.shape}_"))
+    try:
+        yield str(write_shape(args.shape, tmp, args.seed))
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run(args, model: str, progress: bool) -> dict:

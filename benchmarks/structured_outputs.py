@@ -21,16 +21,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.demo import demo_model_path
 
 _SIDE_BY_SIDE = Path(__file__).resolve().parent / "side_by_side.py"
 _SPEC = importlib.util.spec_from_file_location("bench_side_by_side", _SIDE_BY_SIDE)
@@ -84,17 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if not 1 <= args.num_schemas <= args.num_requests:
         p.error("--num-schemas must be in [1, --num-requests]")
-    tmp = None
-    try:
-        if args.shape:
-            tmp = Path(tempfile.mkdtemp(prefix=f"structured_outputs_{args.shape}_"))
-            model = str(side_by_side.write_shape(args.shape, tmp, args.seed))
-        else:
-            model = args.model or str(demo_model_path())
+    with side_by_side.model_folder(args, "structured_outputs") as model:
         return _run(args, model)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run(args, model: str) -> dict:

@@ -89,3 +89,21 @@ def write_checkpoint(
     model.to(dtype).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def greedy_reference(
+    hf: transformers.PreTrainedModel, prompts: list[list[int]], max_tokens: list[int]
+) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt alone, with an explicit attention mask
+    (without one, generate masks every token equal to pad_token_id)."""
+    expected = []
+    with torch.no_grad():
+        for ids, m in zip(prompts, max_tokens, strict=True):
+            out = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=m,
+                do_sample=False,
+            )
+            expected.append(out[0, len(ids) :].tolist())
+    return expected

@@ -17,7 +17,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as QType
 from tests.gguf_files import write_gguf
-from tests.hf_checkpoints import write_checkpoint
+from tests.hf_checkpoints import greedy_reference, write_checkpoint
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.tokenizer import Tokenizer
@@ -54,16 +54,7 @@ def gguf_case(request, tmp_path_factory, tiny_tokenizer_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(folder), gguf_file=file.name, dtype=torch.float32
     )
-    expected = []
-    with torch.no_grad():
-        for ids, m in zip(prompts, max_tokens, strict=True):
-            out = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=m,
-                do_sample=False,
-            )
-            expected.append(out[0, len(ids) :].tolist())
+    expected = greedy_reference(hf, prompts, max_tokens)
     return request.param, hf_dir, file, prompts, max_tokens, expected
 
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 import transformers
-from tests.hf_checkpoints import FAMILIES, write_checkpoint
+from tests.hf_checkpoints import FAMILIES, greedy_reference, write_checkpoint
 
 from conveyor import LLM, SamplingParams
 
@@ -30,16 +30,7 @@ def family_case(request, tmp_path_factory, demo_model_dir):
     ]
     max_tokens = [rng.randint(1, 24) for _ in range(NUM_PROMPTS)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    expected = []
-    with torch.no_grad():
-        for ids, m in zip(prompts, max_tokens, strict=True):
-            out = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=m,
-                do_sample=False,
-            )
-            expected.append(out[0, len(ids) :].tolist())
+    expected = greedy_reference(hf, prompts, max_tokens)
     return family, path, prompts, max_tokens, expected
 
 
