@@ -23,7 +23,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.grammar import GrammarCache
 from conveyor.engine.grammar_queue import GrammarQueue
 from conveyor.engine.output_state import OutputState, RequestState
-from conveyor.engine.outputs import Metric, RequestMetrics, RequestOutput
+from conveyor.engine.outputs import Metric, MetricName, RequestMetrics, RequestOutput
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from conveyor.model.checkpoint import check_checkpoint
 from conveyor.model.runner import ModelRunner
@@ -206,16 +206,16 @@ class LLMEngine:
         s = self.scheduler
         bm = s.block_manager
         counters = {
-            "conveyor:prompt_tokens": self.num_prompt_tokens,
-            "conveyor:generation_tokens": self.num_generation_tokens,
-            "conveyor:num_preemptions": s.num_preemptions,
-            "conveyor:prefix_cache_queries": bm.prefix_cache_queries,
-            "conveyor:prefix_cache_hits": bm.prefix_cache_hits,
+            MetricName.PROMPT_TOKENS: self.num_prompt_tokens,
+            MetricName.GENERATION_TOKENS: self.num_generation_tokens,
+            MetricName.NUM_PREEMPTIONS: s.num_preemptions,
+            MetricName.PREFIX_CACHE_QUERIES: bm.prefix_cache_queries,
+            MetricName.PREFIX_CACHE_HITS: bm.prefix_cache_hits,
         }
         gauges = {
-            "conveyor:num_requests_running": s.num_running,
-            "conveyor:num_requests_waiting": s.num_waiting,
-            "conveyor:kv_cache_usage_perc": s.kv_usage,
+            MetricName.NUM_REQUESTS_RUNNING: s.num_running,
+            MetricName.NUM_REQUESTS_WAITING: s.num_waiting,
+            MetricName.KV_CACHE_USAGE_PERC: s.kv_usage,
         }
         return [Metric(k, "counter", float(v)) for k, v in counters.items()] + [
             Metric(k, "gauge", float(v)) for k, v in gauges.items()

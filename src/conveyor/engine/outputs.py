@@ -103,6 +103,20 @@ class RequestOutput:
             self.prompt_logprobs = delta.prompt_logprobs
 
 
+class MetricName:
+    """The engine's metric names: /metrics (entrypoints/metrics.py) and LLM.get_metrics() both
+    use these, so the two never drift apart."""
+
+    PROMPT_TOKENS = "conveyor:prompt_tokens"
+    GENERATION_TOKENS = "conveyor:generation_tokens"
+    NUM_PREEMPTIONS = "conveyor:num_preemptions"
+    PREFIX_CACHE_QUERIES = "conveyor:prefix_cache_queries"
+    PREFIX_CACHE_HITS = "conveyor:prefix_cache_hits"
+    NUM_REQUESTS_RUNNING = "conveyor:num_requests_running"
+    NUM_REQUESTS_WAITING = "conveyor:num_requests_waiting"
+    KV_CACHE_USAGE_PERC = "conveyor:kv_cache_usage_perc"
+
+
 @dataclass(slots=True, frozen=True)
 class Metric:
     """One of the engine's counters or gauges (`LLM.get_metrics()`), named as on /metrics."""

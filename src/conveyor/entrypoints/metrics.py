@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from conveyor.engine.outputs import MetricName
+
 if TYPE_CHECKING:
     from conveyor.engine.outputs import RequestOutput
 
@@ -63,27 +65,27 @@ class EngineMetrics:
             return metric.labels(model_name)
 
         self.running = labeled(
-            Gauge("conveyor:num_requests_running", "Requests in the batch.", name, registry=reg)
+            Gauge(MetricName.NUM_REQUESTS_RUNNING, "Requests in the batch.", name, registry=reg)
         )
         self.waiting = labeled(
-            Gauge("conveyor:num_requests_waiting", "Requests waiting to run.", name, registry=reg)
+            Gauge(MetricName.NUM_REQUESTS_WAITING, "Requests waiting to run.", name, registry=reg)
         )
         self.kv_usage = labeled(
-            Gauge("conveyor:kv_cache_usage_perc", "KV cache usage, 1 = full.", name, registry=reg)
+            Gauge(MetricName.KV_CACHE_USAGE_PERC, "KV cache usage, 1 = full.", name, registry=reg)
         )
         self.prompt_tokens = labeled(
-            Counter("conveyor:prompt_tokens", "Prefilled prompt tokens.", name, registry=reg)
+            Counter(MetricName.PROMPT_TOKENS, "Prefilled prompt tokens.", name, registry=reg)
         )
         self.generation_tokens = labeled(
-            Counter("conveyor:generation_tokens", "Generated tokens.", name, registry=reg)
+            Counter(MetricName.GENERATION_TOKENS, "Generated tokens.", name, registry=reg)
         )
         self.preemptions = labeled(
-            Counter("conveyor:num_preemptions", "Preemptions (recompute).", name, registry=reg)
+            Counter(MetricName.NUM_PREEMPTIONS, "Preemptions (recompute).", name, registry=reg)
         )
         # vLLM's names: tokens the prefix cache was asked for / found, at admission.
         self.prefix_cache_queries = labeled(
             Counter(
-                "conveyor:prefix_cache_queries",
+                MetricName.PREFIX_CACHE_QUERIES,
                 "Prompt tokens looked up in the prefix cache.",
                 name,
                 registry=reg,
@@ -91,7 +93,7 @@ class EngineMetrics:
         )
         self.prefix_cache_hits = labeled(
             Counter(
-                "conveyor:prefix_cache_hits",
+                MetricName.PREFIX_CACHE_HITS,
                 "Prompt tokens found in the prefix cache.",
                 name,
                 registry=reg,
