@@ -205,7 +205,7 @@ def test_rotary_in_place_matches_apply_rotary(kernels):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert torch.equal(qkv[:, 10 * 64 :], v_before)
     with pytest.raises(ValueError, match="outside the rotary table"):
-        kernels.rotary_(qk, torch.tensor([0, 1, 2, 3, 4, 512]), emb.cos_sin_cache)
+        emb.step(torch.tensor([0, 1, 2, 3, 4, 512]))(qk)
     # A layout the kernel cannot take (heads not contiguous) goes through apply_rotary.
     strided = torch.randn(64, 6, 10, generator=gen).permute(1, 2, 0)
     torch.testing.assert_close(emb.step(positions)(strided), apply_rotary(strided, cos, sin))

@@ -62,9 +62,18 @@ class CpuKernels:
         self._rotary.argtypes = _ROTARY_ARGS
         self._rotary.restype = None
 
+    @staticmethod
+    def check_positions(positions: torch.Tensor, table_len: int) -> None:
+        """ValueError unless every position is in [0, table_len) (the kernel reads that row)."""
+        if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < table_len:
+            raise ValueError(f"a position is outside the rotary table of {table_len}.")
+
     def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
         """In place: rotate x [T, H, D] (float32, heads contiguous, any token stride) by the
-        rows `positions` (int64 [T]) of cos_sin [max_position, D] ([cos | sin] halves)."""
+        rows `positions` (int64 [T]) of cos_sin [max_position, D] ([cos | sin] halves).
+
+        Every position must be a row of cos_sin (check_positions; RopeStep checks a step's
+        positions once for all its layers)."""
         t, h, d = x.shape
         if x.dtype != torch.float32 or cos_sin.dtype != torch.float32:
             raise ValueError("rotary_ runs float32 only.")
@@ -74,8 +83,6 @@ class CpuKernels:
             raise ValueError("positions must be a contiguous int64 [T] tensor.")
         if not cos_sin.is_contiguous():
             raise ValueError("cos_sin must be contiguous.")
-        if t and not 0 <= int(positions.min()) <= int(positions.max()) < cos_sin.shape[0]:
-            raise ValueError(f"a position is outside the rotary table of {cos_sin.shape[0]}.")
         self._rotary(
             x.data_ptr(),
             x.stride(0),
