@@ -8,12 +8,19 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conveyor.model import cpu_kernels
 from conveyor.model.attention import CpuAttentionBackend, build_attention_metadata
 from conveyor.model.cpu_attention import _CpuPlan
 from conveyor.model.kv_cache import QuantizedKVCache, write_kv_cache
-from conveyor.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, use_cpu_kernels
+from conveyor.model.layers import (
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    use_cpu_kernels,
+)
 from conveyor.model.torch_attention import paged_attention as reference
 
 CPU = torch.device("cpu")
@@ -76,6 +83,8 @@ def _both(shapes, hq, hkv, d, bs, seed, **kw):
         ([(1, 5), (1, 17), (1, 2)], 8, 8, 32, 4),  # no GQA
         ([(1, 7), (1, 31)], 16, 2, 128, 8),  # GQA 8, head_dim 128
         ([(1, 3), (1, 12), (1, 1)], 4, 1, 16, 1),  # one token per block, one KV head
+        ([(1, 11), (1, 8), (1, 64)], 4, 2, 80, 8),  # head_dim 64 + 16 (two register runs)
+        ([(1, 5), (1, 23)], 4, 2, 12, 4),  # head_dim not a multiple of 8: the portable loop
     ],
 )
 def test_decode_kernel_matches_the_torch_reference(kernels, shapes, hq, hkv, d, bs):
@@ -187,8 +196,10 @@ def test_the_runner_uses_the_c_kernels_with_the_cpu_backend_only(kernels, backen
 
     config = EngineConfig(attention_backend=backend, num_kv_blocks=8, max_model_len=64)
     runner = ModelRunner(config)
-    mods = [m for m in runner.model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
-    assert len(mods) > 2 and all((m.kernels is not None) == fused for m in mods)
+    kinds = (RMSNorm, RotaryEmbedding, GatedMLP)
+    mods = [m for m in runner.model.modules() if isinstance(m, kinds)]
+    assert {type(m) for m in mods} == set(kinds)
+    assert all((m.kernels is not None) == fused for m in mods)
 
 
 def test_rotary_in_place_matches_apply_rotary(kernels):
@@ -209,3 +220,22 @@ def test_rotary_in_place_matches_apply_rotary(kernels):
     # A layout the kernel cannot take (heads not contiguous) goes through apply_rotary.
     strided = torch.randn(64, 6, 10, generator=gen).permute(1, 2, 0)
     torch.testing.assert_close(emb.step(positions)(strided), apply_rotary(strided, cos, sin))
+
+
+# 300 x 2048 takes the multi-threaded path; 13 leaves a tail past the 8-wide vector loop.
+@pytest.mark.parametrize(("rows", "inter"), [(1, 8), (3, 13), (16, 1536), (300, 2048)])
+def test_silu_mul_matches_torch(kernels, rows, inter):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 8
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])[: min(3, inter)]  # saturated, zero
+    fused, plain = GatedMLP(16, inter), GatedMLP(16, inter)
+    plain.load_state_dict(fused.state_dict())
+    use_cpu_kernels(fused, kernels)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+    x = torch.randn(rows, 16, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), plain(x), atol=1e-5, rtol=1e-5)
+        # bf16 (and any layout the kernel cannot take) stays in torch
+        fused.bfloat16(), plain.bfloat16()
+        assert torch.equal(fused(x.bfloat16()), plain(x.bfloat16()))

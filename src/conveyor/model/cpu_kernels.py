@@ -37,6 +37,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -44,6 +45,7 @@ _DECODE_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64]
 _DECODE_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32]
 _NORM_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I32, _F32, _I32]
 _ROTARY_ARGS = [_P, _I64, _I64, _I32, _I32, _P, _P, _I32]
+_SILU_MUL_ARGS = [_P, _I64, _P, _I64, _I64, _I32, _I32]
 
 
 class CpuKernels:
@@ -61,6 +63,9 @@ class CpuKernels:
         self._rotary = lib.conveyor_rotary_f32
         self._rotary.argtypes = _ROTARY_ARGS
         self._rotary.restype = None
+        self._silu_mul = lib.conveyor_silu_mul_f32
+        self._silu_mul.argtypes = _SILU_MUL_ARGS
+        self._silu_mul.restype = None
 
     @staticmethod
     def check_positions(positions: torch.Tensor, table_len: int) -> None:
@@ -114,6 +119,25 @@ class CpuKernels:
             eps,
             torch.get_num_threads(),
         )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up = [gate | up] ([N, 2 I]) as a new [N, I] tensor.
+
+        The caller checks what C cannot: float32 [N, 2 I] with unit stride along the row
+        (GatedMLP.forward does).
+        """
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self._silu_mul(
+            gate_up.data_ptr(),
+            gate_up.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            rows,
+            width // 2,
+            torch.get_num_threads(),
+        )
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x) * weight for rows of [N, H] (same preconditions as add_rms_norm_)."""
@@ -226,7 +250,7 @@ def build(compiler: str | None = None) -> Path:
     if not cc:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     key = hashlib.sha256(b"\0".join([cc.encode(), *map(str.encode, _FLAGS)]))
-    for src in _SOURCES:
+    for src in (*_SOURCES, *_HEADERS):
         key.update(src.name.encode() + b"\0" + src.read_bytes())
     key.update(_cpu_id().encode())
     out_dir = cache_dir()

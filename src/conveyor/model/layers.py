@@ -57,10 +57,10 @@ class RMSNorm(nn.Module):
 
 
 def use_cpu_kernels(model: nn.Module, kernels: Any) -> int:
-    """Run `model`'s RMSNorms (residual add fused in) and rotary embedding through the C
-    kernels (conveyor.model.cpu_kernels) wherever their inputs allow (fp32; others keep
-    torch). Returns how many modules it switched."""
-    mods = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
+    """Run `model`'s RMSNorms (residual add fused in), rotary embedding and gated-MLP
+    activation through the C kernels (conveyor.model.cpu_kernels) wherever their inputs
+    allow (fp32; others keep torch). Returns how many modules it switched."""
+    mods = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, GatedMLP))]
     for m in mods:
         m.kernels = kernels
     return len(mods)
@@ -235,7 +235,13 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.kernels: Any = None  # CpuKernels once use_cpu_kernels() enabled the C kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        k = self.kernels
+        fp32_rows = gate_up.dtype == torch.float32 and gate_up.dim() == 2
+        if k is not None and fp32_rows and gate_up.stride(1) == 1:
+            return self.down_proj(k.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

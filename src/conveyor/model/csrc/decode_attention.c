@@ -9,10 +9,15 @@
  * block_tables[b * bt_stride + p / block_size], offset p % block_size. Query head
  * x * G + g (G = Hq / Hkv) reads KV head x, so the G heads of one KV head are G consecutive
  * rows of D floats in q and in out: one task per (request, KV head) reads each K and V row
- * of its context once and uses it for all G query heads.
+ * of its context once per query head, from L1, and uses it for all G query heads.
  *
  *     scores[g][j] = scale * <q[g], K[j]>              j < seq_len
  *     out[g]       = sum_j softmax_j(scores[g])[j] * V[j]
+ *
+ * With AVX2 + FMA (vec_math.h) and D % 8 == 0 (every model we load) the three stages run
+ * eight lanes wide: eight keys' dot products at once in independent registers (summed across
+ * lanes once per eight keys), a vector e^x, and the weighted sum of V rows with its
+ * accumulators held in registers. Otherwise a portable loop does the same sums.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,11 +33,145 @@ static inline void prefetch_row(const float *row, int d)
     for (int c = 0; c < d; c += 16) __builtin_prefetch(row + c);
 }
 
-static inline const float *cache_row(const float *cache, const int32_t *table, int j,
-                                     int block_size, int64_t token_stride, int64_t head_off)
+#include "vec_math.h"
+
+#ifdef CONVEYOR_AVX2
+
+/* Lane t of the result is the sum of a[t]'s eight lanes. */
+static inline __m256 sum_lanes8(const __m256 *a)
 {
-    const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
-    return cache + slot * token_stride + head_off;
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* scores[x * len + j] = scale * <q[x], K[j]>, eight keys at a time (d % 8 == 0). */
+static void scores_avx2(const float *qh, const float *k, const int64_t *slot, int64_t stride,
+                        int len, int g, int d, float scale, float *scores)
+{
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int j0 = 0; j0 < len; j0 += 8) {
+        const float *kr[8];
+        for (int t = 0; t < 8; t++) kr[t] = k + slot[j0 + t < len ? j0 + t : j0] * stride;
+        for (int t = 8; t < 16 && j0 + t < len; t++) prefetch_row(k + slot[j0 + t] * stride, d);
+        for (int x = 0; x < g; x++) {
+            const float *qx = qh + (int64_t)x * d;
+            __m256 a[8];
+            for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+            for (int e = 0; e < d; e += 8) {
+                const __m256 qv = _mm256_loadu_ps(qx + e);
+                for (int t = 0; t < 8; t++)
+                    a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t] + e), a[t]);
+            }
+            const __m256 s = _mm256_mul_ps(sum_lanes8(a), vscale);
+            float *sx = scores + (int64_t)x * len + j0;
+            if (j0 + 8 <= len) {
+                _mm256_storeu_ps(sx, s);
+            } else { /* the last, partial group: the rows past len were duplicates */
+                float tail[8];
+                _mm256_storeu_ps(tail, s);
+                memcpy(sx, tail, sizeof(float) * (size_t)(len - j0));
+            }
+        }
+    }
+}
+
+/* sx[j] = e^(sx[j] - max sx) for j < len; returns their sum. */
+static float softmax_numerators(float *sx, int len)
+{
+    float lanes[8], m = -INFINITY, sum = 0.f;
+    __m256 vm = _mm256_set1_ps(-INFINITY), vs = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= len; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sx + j));
+    _mm256_storeu_ps(lanes, vm);
+    for (int t = 0; t < 8; t++) m = lanes[t] > m ? lanes[t] : m;
+    for (; j < len; j++) m = sx[j] > m ? sx[j] : m;
+    const __m256 mv = _mm256_set1_ps(m);
+    for (j = 0; j + 8 <= len; j += 8) {
+        const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sx + j), mv));
+        _mm256_storeu_ps(sx + j, p);
+        vs = _mm256_add_ps(vs, p);
+    }
+    _mm256_storeu_ps(lanes, vs);
+    for (int t = 0; t < 8; t++) sum += lanes[t];
+    for (; j < len; j++) {
+        sx[j] = expf(sx[j] - m);
+        sum += sx[j];
+    }
+    return sum;
+}
+
+/* out[0 .. 8 nc) = scale * sum_j p[j] V[j][0 .. 8 nc), the nc accumulators in registers. */
+static inline __attribute__((always_inline)) void weighted_rows(
+    const float *p, const float *v, const int64_t *slot, int64_t stride, int len, int nc,
+    float scale, float *out)
+{
+    __m256 a[8];
+    for (int c = 0; c < nc; c++) a[c] = _mm256_setzero_ps();
+    for (int j = 0; j < len; j++) {
+        const float *vp = v + slot[j] * stride;
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        for (int c = 0; c < nc; c++) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vp + 8 * c), a[c]);
+    }
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int c = 0; c < nc; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(a[c], vscale));
+}
+
+/* One task with AVX2 (d % 8 == 0): k, v point at this KV head's lane of the cache. */
+static void task_avx2(const float *qh, float *oh, const float *k, const float *v,
+                      const int64_t *slot, int64_t stride, int len, int g, int d, float scale,
+                      float *scores)
+{
+    scores_avx2(qh, k, slot, stride, len, g, d, scale, scores);
+    for (int x = 0; x < g; x++) {
+        float *sx = scores + (int64_t)x * len;
+        const float inv = 1.f / softmax_numerators(sx, len);
+        float *ox = oh + (int64_t)x * d;
+        for (int e0 = 0; e0 < d; e0 += 64) { /* 64 columns = 8 registers at a time */
+            if (d - e0 >= 64)
+                weighted_rows(sx, v + e0, slot, stride, len, 8, inv, ox + e0);
+            else
+                weighted_rows(sx, v + e0, slot, stride, len, (d - e0) / 8, inv, ox + e0);
+        }
+    }
+}
+#endif
+
+/* One task, portable: the same sums, one key at a time. */
+static void task_generic(const float *qh, float *oh, const float *k, const float *v,
+                         const int64_t *slot, int64_t stride, int len, int g, int d,
+                         float scale, float *scores, float *acc)
+{
+    for (int x = 0; x < g; x++) {
+        const float *qx = qh + (int64_t)x * d;
+        float *sx = scores + (int64_t)x * len;
+        float m = -INFINITY, sum = 0.f;
+        for (int j = 0; j < len; j++) {
+            if (j + PREFETCH_AHEAD < len) prefetch_row(k + slot[j + PREFETCH_AHEAD] * stride, d);
+            const float *kp = k + slot[j] * stride;
+            float s = 0.f;
+            #pragma omp simd reduction(+:s)
+            for (int e = 0; e < d; e++) s += qx[e] * kp[e];
+            sx[j] = s * scale;
+            m = sx[j] > m ? sx[j] : m;
+        }
+        for (int j = 0; j < len; j++) {
+            sx[j] = expf(sx[j] - m);
+            sum += sx[j];
+        }
+        memset(acc, 0, sizeof(float) * (size_t)d);
+        for (int j = 0; j < len; j++) {
+            const float *vp = v + slot[j] * stride;
+            const float p = sx[j];
+            #pragma omp simd
+            for (int e = 0; e < d; e++) acc[e] += p * vp[e];
+        }
+        float *ox = oh + (int64_t)x * d;
+        const float inv = 1.f / sum;
+        #pragma omp simd
+        for (int e = 0; e < d; e++) ox[e] = acc[e] * inv;
+    }
 }
 
 /* Returns 0, or 1 when a work buffer could not be allocated (out is then incomplete). */
@@ -46,16 +185,15 @@ int conveyor_decode_attention_f32(
     int hq, int hkv, int d, int block_size, int max_seq_len, float scale, int num_threads)
 {
     const int g = hq / hkv;
-    const int64_t token_stride = (int64_t)hkv * d;
+    const int64_t stride = (int64_t)hkv * d; /* floats from one token's row to the next */
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
-        /* Per thread: the scores of one task, its G accumulators, maxima and sums. */
+        /* Per thread: one task's scores (G rows), token slots and an accumulator row. */
         float *scores = malloc(sizeof(float) * (size_t)g * (size_t)max_seq_len);
-        float *acc = malloc(sizeof(float) * (size_t)g * (size_t)d);
-        float *mx = malloc(sizeof(float) * (size_t)g);
-        float *inv = malloc(sizeof(float) * (size_t)g);
-        const int ok = scores && acc && mx && inv;
+        int64_t *slot = malloc(sizeof(int64_t) * (size_t)max_seq_len);
+        float *acc = malloc(sizeof(float) * (size_t)d);
+        const int ok = scores && slot && acc;
         failed |= !ok;
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
@@ -64,61 +202,23 @@ int conveyor_decode_attention_f32(
                 const int64_t b = batch[i];
                 const int len = seq_lens[b];
                 const int32_t *table = block_tables + b * bt_stride;
-                const int64_t head_off = (int64_t)h * d;
+                for (int j = 0; j < len; j++)
+                    slot[j] = (int64_t)table[j / block_size] * block_size + j % block_size;
                 const float *qh = q + rows[i] * q_row_stride + (int64_t)h * g * d;
                 float *oh = out + rows[i] * out_row_stride + (int64_t)h * g * d;
-                for (int x = 0; x < g; x++) mx[x] = -INFINITY;
-                for (int j = 0; j < len; j++) {
-                    if (j + PREFETCH_AHEAD < len)
-                        prefetch_row(cache_row(k_cache, table, j + PREFETCH_AHEAD, block_size,
-                                               token_stride, head_off), d);
-                    const float *kp = cache_row(k_cache, table, j, block_size, token_stride,
-                                                head_off);
-                    for (int x = 0; x < g; x++) {
-                        const float *qx = qh + (int64_t)x * d;
-                        float s = 0.f;
-                        #pragma omp simd reduction(+:s)
-                        for (int e = 0; e < d; e++) s += qx[e] * kp[e];
-                        s *= scale;
-                        scores[(int64_t)x * len + j] = s;
-                        if (s > mx[x]) mx[x] = s;
-                    }
+                const float *k = k_cache + (int64_t)h * d, *v = v_cache + (int64_t)h * d;
+#ifdef CONVEYOR_AVX2
+                if (d % 8 == 0) {
+                    task_avx2(qh, oh, k, v, slot, stride, len, g, d, scale, scores);
+                    continue;
                 }
-                for (int x = 0; x < g; x++) {
-                    float *sx = scores + (int64_t)x * len;
-                    float sum = 0.f;
-                    for (int j = 0; j < len; j++) {
-                        sx[j] = expf(sx[j] - mx[x]);
-                        sum += sx[j];
-                    }
-                    inv[x] = 1.f / sum;
-                }
-                memset(acc, 0, sizeof(float) * (size_t)g * (size_t)d);
-                for (int j = 0; j < len; j++) {
-                    if (j + PREFETCH_AHEAD < len)
-                        prefetch_row(cache_row(v_cache, table, j + PREFETCH_AHEAD, block_size,
-                                               token_stride, head_off), d);
-                    const float *vp = cache_row(v_cache, table, j, block_size, token_stride,
-                                                head_off);
-                    for (int x = 0; x < g; x++) {
-                        const float p = scores[(int64_t)x * len + j];
-                        float *ax = acc + (int64_t)x * d;
-                        #pragma omp simd
-                        for (int e = 0; e < d; e++) ax[e] += p * vp[e];
-                    }
-                }
-                for (int x = 0; x < g; x++) {
-                    const float *ax = acc + (int64_t)x * d;
-                    float *ox = oh + (int64_t)x * d;
-                    #pragma omp simd
-                    for (int e = 0; e < d; e++) ox[e] = ax[e] * inv[x];
-                }
+#endif
+                task_generic(qh, oh, k, v, slot, stride, len, g, d, scale, scores, acc);
             }
         }
         free(scores);
+        free(slot);
         free(acc);
-        free(mx);
-        free(inv);
     }
     return failed;
 }
