@@ -1,5 +1,6 @@
-"""The CPU C kernels (decode attention of the "cpu" backend, fused residual + RMSNorm) against
-their torch references, the build cache, and the fallbacks where they cannot run."""
+"""The CPU C kernels (paged attention of the "cpu" backend, fused residual + RMSNorm, rotary,
+silu * up) against their torch references, the build cache, and the fallbacks where they
+cannot run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model import cpu_kernels
+from conveyor.model import cpu_attention, cpu_kernels
 from conveyor.model.attention import CpuAttentionBackend, build_attention_metadata
 from conveyor.model.cpu_attention import _CpuPlan
 from conveyor.model.kv_cache import QuantizedKVCache, write_kv_cache
@@ -87,23 +88,56 @@ def _both(shapes, hq, hkv, d, bs, seed, **kw):
         ([(1, 5), (1, 23)], 4, 2, 12, 4),  # head_dim not a multiple of 8: the portable loop
     ],
 )
-def test_decode_kernel_matches_the_torch_reference(kernels, shapes, hq, hkv, d, bs):
+def test_decode_rows_match_the_torch_reference(kernels, shapes, hq, hkv, d, bs):
     got, want, plan = _both(shapes, hq, hkv, d, bs, seed=len(shapes) + d)
     assert isinstance(plan, _CpuPlan) and plan.rows.numel() == len(shapes)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_mixed_batches_run_decodes_in_the_kernel_and_chunks_in_sdpa(kernels, seed):
+def test_mixed_batches_run_every_row_in_the_kernel_causally(kernels, seed):
+    """Decode rows, fresh prompts and chunks with cached context in one step, each token of a
+    chunk attending to its own causal prefix (the reference: SDPA with the chunk's mask)."""
     rng = random.Random(seed)
     shapes = []
     for _ in range(7):
-        n = rng.choice([1, 1, 1, rng.randint(2, 20)])
+        n = rng.choice([1, 1, 1, rng.randint(2, 40)])
         shapes.append((n, n + rng.choice([0, rng.randint(1, 50)])))
     got, want, plan = _both(shapes, 6, 2, 32, 4, seed)
-    assert plan.rows.numel() == sum(n == 1 for n, _ in shapes)
-    assert len(plan.chunks) == sum(n > 1 for n, _ in shapes)
+    assert plan.rows.numel() == sum(n for n, _ in shapes) and not plan.chunks  # no SDPA
+    positions = [p for n, s in shapes for p in range(s - n, s)]
+    assert plan.key_end.tolist() == [p + 1 for p in positions]
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_long_chunks_go_to_sdpa_and_the_rest_to_the_kernel(kernels, monkeypatch):
+    monkeypatch.setattr(cpu_attention, "SDPA_MIN_CHUNK", 8)
+    shapes = [(1, 9), (12, 30), (7, 7), (9, 9), (1, 20)]  # a cached-context and a fresh chunk
+    got, want, plan = _both(shapes, 6, 2, 32, 4, 3)
+    assert [(c.start, c.end) for c in plan.chunks] == [(1, 13), (20, 29)]
+    assert plan.rows.tolist() == [0, *range(13, 20), 29]
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_key_begin_bounds_each_row_from_below(kernels):
+    """The kernel's lower key bound (a sliding window's first key) against SDPA on the slice."""
+    q, _, _, cache, meta = _batch([(1, 40), (1, 13)], 8, 2, 64, 16, 5)
+    rows, batch = torch.arange(2), torch.arange(2)
+    key_end = meta.seq_lens.clone()
+    key_begin = torch.tensor([25, 0], dtype=torch.int32)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q = q.contiguous()
+    kernels.paged_attention(
+        q, out, cache, meta.block_tables, rows, batch, key_end, 40, 0.125, key_begin
+    )
+    for i, (lo, hi) in enumerate([(25, 40), (0, 13)]):
+        table = meta.block_tables[i].long()
+        kv = cache[:, table].flatten(1, 2)[:, lo:hi]  # [2, keys, Hkv, D]
+        k, v = (x.transpose(0, 1)[None] for x in kv)
+        want = F.scaled_dot_product_attention(
+            q[i].unsqueeze(1)[None], k, v, scale=0.125, enable_gqa=True
+        )
+        torch.testing.assert_close(out[i], want[0, :, 0], atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("dtype", "quant"), [(torch.bfloat16, False), (torch.float32, True)])
@@ -117,16 +151,18 @@ def test_kernel_rejects_inputs_it_cannot_read(kernels):
     q, _, _, cache, meta = _batch([(1, 5), (1, 8)], 4, 2, 16, 4, 0)
     rows = batch = torch.arange(2)
     out = torch.empty(2, 4, 16)
-    args = (meta.block_tables, meta.seq_lens, rows, batch, 8, 0.25)
+    tail = (rows, batch, meta.seq_lens, 8, 0.25)
+    args = (meta.block_tables, *tail)
     with pytest.raises(ValueError, match="float32 only"):
-        kernels.decode_attention(q.double(), out, cache, *args)
+        kernels.paged_attention(q.double(), out, cache, *args)
     with pytest.raises(ValueError, match="contiguous heads"):
-        kernels.decode_attention(q.transpose(0, 1).contiguous().transpose(0, 1), out, cache, *args)
+        kernels.paged_attention(q.transpose(0, 1).contiguous().transpose(0, 1), out, cache, *args)
     with pytest.raises(ValueError, match="int32"):
-        bad = (meta.block_tables.long(), *args[1:])
-        kernels.decode_attention(q, out, cache, *bad)
+        kernels.paged_attention(q, out, cache, meta.block_tables.long(), *tail)
+    with pytest.raises(ValueError, match="one contiguous entry a row"):
+        kernels.paged_attention(q, out, cache, meta.block_tables, rows, batch[:1], *tail[2:])
     with pytest.raises(ValueError, match="shapes do not fit"):
-        kernels.decode_attention(q, torch.empty(2, 4, 8), cache, *args)
+        kernels.paged_attention(q, torch.empty(2, 4, 8), cache, *args)
 
 
 def test_the_build_is_cached_per_source_and_compiler(kernels, tmp_path, monkeypatch):

@@ -52,4 +52,4 @@ def test_wheel_installs_the_kernels_as_conveyor_kernels_and_the_c_source(tmp_pat
     for module in ("__init__.py", "attention.py", "kv_write.py"):
         assert f"conveyor/kernels/{module}" in names
     assert not any(n.startswith("kernels/") for n in names)  # not a top-level package
-    assert "conveyor/model/csrc/decode_attention.c" in names  # built at run time
+    assert "conveyor/model/csrc/paged_attention.c" in names  # built at run time

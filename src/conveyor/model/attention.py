@@ -156,8 +156,9 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """CPU: decode rows through a C kernel that reads K/V in place from the paged cache
-    (conveyor.model.cpu_kernels), prefill chunks through SDPA as in the torch reference.
+    """CPU: decode rows and prefill chunks through a C kernel that reads K/V in place from
+    the paged cache (conveyor.model.cpu_kernels), long chunks through SDPA as in the torch
+    reference (conveyor.model.cpu_attention says where the line is).
 
     Float32 caches only; int8 or other dtypes, or a machine where the kernel cannot be built
     (no C compiler), run the torch reference instead.

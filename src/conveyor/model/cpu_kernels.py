@@ -1,14 +1,15 @@
 """C kernels for CPU, compiled on first use with the machine's C compiler and called through
-ctypes: the paged decode attention of the "cpu" attention backend (csrc/decode_attention.c)
-RMSNorm with its residual add fused in (csrc/rms_norm.c) and the rotary embedding in place
-(csrc/rotary.c).
+ctypes: the paged attention of the "cpu" attention backend (csrc/paged_attention.c), RMSNorm
+with its residual add fused in (csrc/rms_norm.c), the rotary embedding in place
+(csrc/rotary.c) and the gated MLP's silu(gate) * up (csrc/silu_mul.c).
 
-Why C and not torch: a decode step's attention in torch must first copy every request's K
-and V out of the paged cache into a padded tensor (one gather per layer), then run SDPA on
-the copy; the kernel reads each K and V row once, in place, for all the query heads that
-share it. Why ctypes and not a torch extension: the source includes no torch header, so it
-builds in well under a second and needs nothing but a C compiler (the Dockerfile installs
-gcc; Triton needs one at run time too).
+Why C and not torch: a step's attention in torch must first copy every request's K and V
+out of the paged cache into a padded tensor (one gather per layer), then run SDPA on the
+copy with a mask (and one SDPA per prefill chunk); the kernel reads each K and V row in
+place, for all the query heads that share it, and stops at each row's own context. Why
+ctypes and not a torch extension: the source includes no torch header, so it builds in well
+under a second and needs nothing but a C compiler (the Dockerfile installs gcc; Triton
+needs one at run time too).
 
 The library (every csrc/*.c in one shared object) is built once per source, compiler and
 CPU (`-march=native`) into $CONVEYOR_CACHE_DIR (default ~/.cache/conveyor/cpu_kernels),
@@ -41,8 +42,8 @@ _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_DECODE_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64]
-_DECODE_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32]
+_ATTENTION_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
+_ATTENTION_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32]
 _NORM_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I32, _F32, _I32]
 _ROTARY_ARGS = [_P, _I64, _I64, _I32, _I32, _P, _P, _I32]
 _SILU_MUL_ARGS = [_P, _I64, _P, _I64, _I64, _I32, _I32]
@@ -52,9 +53,9 @@ class CpuKernels:
     """The loaded library; one method per kernel, each checking what C cannot."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._decode = lib.conveyor_decode_attention_f32
-        self._decode.argtypes = _DECODE_ARGS
-        self._decode.restype = ctypes.c_int
+        self._attend = lib.conveyor_paged_attention_f32
+        self._attend.argtypes = _ATTENTION_ARGS
+        self._attend.restype = ctypes.c_int
         self._add_norm = lib.conveyor_add_rms_norm_f32
         self._norm = lib.conveyor_rms_norm_f32
         for fn in (self._add_norm, self._norm):
@@ -156,31 +157,35 @@ class CpuKernels:
         )
         return out
 
-    def decode_attention(
+    def paged_attention(
         self,
         q: torch.Tensor,
         out: torch.Tensor,
         kv_cache: torch.Tensor,
         block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
         rows: torch.Tensor,
         batch: torch.Tensor,
-        max_seq_len: int,
+        key_end: torch.Tensor,
+        max_keys: int,
         scale: float,
+        key_begin: torch.Tensor | None = None,
     ) -> None:
-        """Attention of single-token queries over their paged context, written into out.
+        """Attention of single query rows over their paged context, written into out.
 
         Args:
             q: float32 [T, Hq, D] (rows contiguous); out: float32 [T, Hq, D], same strides.
             kv_cache: float32 [2, num_blocks, block_size, Hkv, D], contiguous.
-            block_tables: int32 [B, max_blocks]; seq_lens: int32 [B] (context incl. the token).
-            rows: int64 [n] token row of each decode request; batch: int64 [n] its batch index.
-            max_seq_len: >= seq_lens[batch[i]] for every i (sizes the work buffers).
+            block_tables: int32 [B, max_blocks].
+            rows: int64 [n] the query rows to attend; batch: int64 [n] each one's table row.
+            key_end: int32 [n] one past each row's last key position (a decode row: its
+                context length; a prefill token at position p: p + 1).
+            max_keys: >= key_end[i] - key_begin[i] for every i (sizes the work buffers).
+            key_begin: int32 [n] each row's first key position; None: 0.
         """
         _, _, block_size, hkv, d = kv_cache.shape
         _, hq, qd = q.shape
         if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
-            raise ValueError("decode_attention runs float32 only.")
+            raise ValueError("paged_attention runs float32 only.")
         if qd != d or hq % hkv or out.shape != q.shape:
             raise ValueError(
                 f"shapes do not fit: q {tuple(q.shape)}, cache {tuple(kv_cache.shape)}."
@@ -190,12 +195,15 @@ class CpuKernels:
                 raise ValueError(f"{name} needs contiguous heads, got strides {x.stride()}.")
         if not kv_cache.is_contiguous() or block_tables.stride(1) != 1:
             raise ValueError("kv_cache and block_tables rows must be contiguous.")
-        if (block_tables.dtype, seq_lens.dtype) != (torch.int32, torch.int32) or (
-            rows.dtype,
-            batch.dtype,
-        ) != (torch.int64, torch.int64):
-            raise ValueError("block_tables and seq_lens are int32, rows and batch int64.")
-        failed = self._decode(
+        ends = (key_end,) if key_begin is None else (key_end, key_begin)
+        if block_tables.dtype != torch.int32 or any(e.dtype != torch.int32 for e in ends):
+            raise ValueError("block_tables, key_end and key_begin are int32.")
+        if (rows.dtype, batch.dtype) != (torch.int64, torch.int64):
+            raise ValueError("rows and batch are int64.")
+        n = rows.numel()
+        if any(x.shape != (n,) or x.stride(0) != 1 for x in (rows, batch, *ends)):
+            raise ValueError("rows, batch, key_end and key_begin need one contiguous entry a row.")
+        failed = self._attend(
             q.data_ptr(),
             q.stride(0),
             out.data_ptr(),
@@ -204,20 +212,21 @@ class CpuKernels:
             kv_cache[1].data_ptr(),
             block_tables.data_ptr(),
             block_tables.stride(0),
-            seq_lens.data_ptr(),
+            None if key_begin is None else key_begin.data_ptr(),
+            key_end.data_ptr(),
             rows.data_ptr(),
             batch.data_ptr(),
-            rows.numel(),
+            n,
             hq,
             hkv,
             d,
             block_size,
-            max_seq_len,
+            max_keys,
             scale,
             torch.get_num_threads(),
         )
         if failed:
-            raise MemoryError("decode_attention could not allocate its work buffers.")
+            raise MemoryError("paged_attention could not allocate its work buffers.")
 
 
 def cache_dir() -> Path:

@@ -124,14 +124,17 @@ def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> 
     return _TorchPlan(groups, len(dec), plan_chunks(meta, block_size, dtype))
 
 
-def plan_chunks(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[_Chunk]:
-    """The step's prefill chunks (requests with more than one new token), with their masks."""
+def plan_chunks(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, min_query_len: int = 2
+) -> list[_Chunk]:
+    """The step's prefill chunks (requests with at least `min_query_len` new tokens, > 1),
+    with their masks."""
     q_lens, s_lens = meta.query_lens_cpu, meta.seq_lens_cpu
     starts = [0, *itertools.accumulate(q_lens)]
     device = meta.block_tables.device
     chunks = []
     for b, q in enumerate(q_lens):
-        if q <= 1:
+        if q <= 1 or q < min_query_len:
             continue
         ctx, seq = s_lens[b] - q, s_lens[b]
         if ctx == 0:  # fresh prompt: attend to the new k/v directly, plain causal

@@ -1,5 +1,6 @@
-/* Paged decode attention for CPU, float32: one query token per request, read straight from
- * the paged KV cache (no gather into a padded copy, no mask).
+/* Paged attention for CPU, float32, one query row at a time, read straight from the paged KV
+ * cache (no gather into a padded copy, no mask): a decode token, or one token of a prefill
+ * chunk, whose keys are its own context [key_begin, key_end).
  *
  * Built and loaded at run time by conveyor.model.cpu_kernels (cc -O3 -march=native -fopenmp);
  * its torch reference is conveyor.model.torch_attention, which tests compare it against.
@@ -8,11 +9,15 @@
  * [num_blocks, block_size, Hkv, D], contiguous; token position p of request b is at block
  * block_tables[b * bt_stride + p / block_size], offset p % block_size. Query head
  * x * G + g (G = Hq / Hkv) reads KV head x, so the G heads of one KV head are G consecutive
- * rows of D floats in q and in out: one task per (request, KV head) reads each K and V row
- * of its context once per query head, from L1, and uses it for all G query heads.
+ * rows of D floats in q and in out: one task per (row, KV head) reads each K and V row of its
+ * context from memory once and, from L1, for all G query heads.
  *
- *     scores[g][j] = scale * <q[g], K[j]>              j < seq_len
+ *     scores[g][j] = scale * <q[g], K[j]>              key_begin <= j < key_end
  *     out[g]       = sum_j softmax_j(scores[g])[j] * V[j]
+ *
+ * A prefill chunk's token i (position p) has key_end = p + 1: causal attention over the chunk
+ * and the request's cached context, whose K/V the backend wrote before calling. The work is
+ * the same as a causal SDPA's; the chunk's rows re-read the same K/V rows from cache.
  *
  * With AVX2 + FMA (vec_math.h) and D % 8 == 0 (every model we load) the three stages run
  * eight lanes wide: eight keys' dot products at once in independent registers (summed across
@@ -175,14 +180,15 @@ static void task_generic(const float *qh, float *oh, const float *k, const float
 }
 
 /* Returns 0, or 1 when a work buffer could not be allocated (out is then incomplete). */
-int conveyor_decode_attention_f32(
-    const float *q, int64_t q_row_stride,     /* [*, Hq * D]: row rows[i] is request i's query */
+int conveyor_paged_attention_f32(
+    const float *q, int64_t q_row_stride,     /* [*, Hq * D]: query row rows[i] */
     float *out, int64_t out_row_stride,       /* written at the same rows */
     const float *k_cache, const float *v_cache,
     const int32_t *block_tables, int64_t bt_stride,
-    const int32_t *seq_lens,                  /* indexed by batch index */
-    const int64_t *rows, const int64_t *batch, int64_t n,
-    int hq, int hkv, int d, int block_size, int max_seq_len, float scale, int num_threads)
+    const int32_t *key_begin,                 /* [n] first key of row i, or NULL: 0 */
+    const int32_t *key_end,                   /* [n] one past its last key (> key_begin) */
+    const int64_t *rows, const int64_t *batch, int64_t n, /* row i's block table: batch[i] */
+    int hq, int hkv, int d, int block_size, int max_keys, float scale, int num_threads)
 {
     const int g = hq / hkv;
     const int64_t stride = (int64_t)hkv * d; /* floats from one token's row to the next */
@@ -190,8 +196,8 @@ int conveyor_decode_attention_f32(
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
         /* Per thread: one task's scores (G rows), token slots and an accumulator row. */
-        float *scores = malloc(sizeof(float) * (size_t)g * (size_t)max_seq_len);
-        int64_t *slot = malloc(sizeof(int64_t) * (size_t)max_seq_len);
+        float *scores = malloc(sizeof(float) * (size_t)g * (size_t)max_keys);
+        int64_t *slot = malloc(sizeof(int64_t) * (size_t)max_keys);
         float *acc = malloc(sizeof(float) * (size_t)d);
         const int ok = scores && slot && acc;
         failed |= !ok;
@@ -199,11 +205,12 @@ int conveyor_decode_attention_f32(
         for (int64_t i = 0; i < n; i++) {
             for (int h = 0; h < hkv; h++) {
                 if (!ok) continue;
-                const int64_t b = batch[i];
-                const int len = seq_lens[b];
-                const int32_t *table = block_tables + b * bt_stride;
-                for (int j = 0; j < len; j++)
-                    slot[j] = (int64_t)table[j / block_size] * block_size + j % block_size;
+                const int32_t *table = block_tables + batch[i] * bt_stride;
+                const int lo = key_begin ? key_begin[i] : 0, len = key_end[i] - lo;
+                for (int j = 0; j < len; j++) {
+                    const int p = lo + j;
+                    slot[j] = (int64_t)table[p / block_size] * block_size + p % block_size;
+                }
                 const float *qh = q + rows[i] * q_row_stride + (int64_t)h * g * d;
                 float *oh = out + rows[i] * out_row_stride + (int64_t)h * g * d;
                 const float *k = k_cache + (int64_t)h * d, *v = v_cache + (int64_t)h * d;
