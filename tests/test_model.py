@@ -195,7 +195,8 @@ def test_paged_attention_matches_dense_causal_attention(shapes, backend):
     v_new = torch.cat([v[s - n :] for (n, s), (_, v) in zip(shapes, full, strict=True)])
     out = get_attention_backend(backend, "cpu").forward(q, k_new, v_new, cache, meta, 0.3)
     if len(shapes) == 9 and backend == "torch":
-        assert len(meta.backend_state.decode_groups) == 2  # the long decode attends alone
+        (plan,) = meta.backend_state.values()
+        assert len(plan.decode_groups) == 2  # the long decode attends alone
     start = 0
     for (n, s), (k, v) in zip(shapes, full, strict=True):
         want = _dense_attention(q[start : start + n], k, v, s - n, 0.3)

@@ -3,7 +3,8 @@
 through SDPA as in the torch reference (conveyor.model.torch_attention).
 
 Decode rows need no length groups or masks here: the kernel stops at each request's own
-context length, so a long request in a batch of short ones costs only its own work.
+context length, so a long request in a batch of short ones costs only its own work. In a
+sliding-window layer it starts at the window's first key (seq_len - window).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from conveyor.model.cpu_kernels import CpuKernels
-from conveyor.model.torch_attention import _Chunk, attend_chunks, plan_chunks
+from conveyor.model.torch_attention import _Chunk, attend_chunks, plan_chunks, step_plan
 
 if TYPE_CHECKING:
     from conveyor.model.attention import AttentionMetadata
@@ -29,7 +30,9 @@ class _CpuPlan:
     chunks: list[_Chunk]  # the requests with more than one new token
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _CpuPlan:
+def _make_plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int | None
+) -> _CpuPlan:
     row, rows, batch = 0, [], []
     for b, q in enumerate(meta.query_lens_cpu):
         if q == 1:  # one new token: a decode row, even if it ends a prompt (same maths)
@@ -40,7 +43,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> 
     return _CpuPlan(
         torch.tensor(rows, dtype=torch.int64, device=device),
         torch.tensor(batch, dtype=torch.int64, device=device),
-        plan_chunks(meta, block_size, dtype),
+        plan_chunks(meta, block_size, dtype, window),
     )
 
 
@@ -52,16 +55,18 @@ def cpu_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kernels: CpuKernels,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention over one mixed varlen batch; the same contract as
     torch_attention.paged_attention, for a float32 cache (k, v already written to it).
+    window: the layer's sliding window (None: the whole context).
 
     Returns:
         [T, Hq * D] attention output, rows in token order.
     """
-    plan = meta.backend_state
-    if not isinstance(plan, _CpuPlan):
-        plan = meta.backend_state = _make_plan(meta, kv_cache.shape[2], q.dtype)
+    plan = step_plan(
+        meta, window, _CpuPlan, lambda: _make_plan(meta, kv_cache.shape[2], q.dtype, window)
+    )
     t, hq, d = q.shape
     out = q.new_empty(t, hq, d)
     if plan.rows.numel():
@@ -75,6 +80,7 @@ def cpu_paged_attention(
             plan.batch,
             meta.max_seq_len,
             scale,
+            window,
         )
     attend_chunks(q, k, v, kv_cache, plan.chunks, out, scale)
     return out.view(t, hq * d)

@@ -41,7 +41,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _DECODE_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64]
-_DECODE_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32]
+_DECODE_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32, _I32]
 _NORM_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I32, _F32, _I32]
 _ROTARY_ARGS = [_P, _I64, _I64, _I32, _I32, _P, _P, _I32]
 
@@ -143,6 +143,7 @@ class CpuKernels:
         batch: torch.Tensor,
         max_seq_len: int,
         scale: float,
+        window: int | None = None,
     ) -> None:
         """Attention of single-token queries over their paged context, written into out.
 
@@ -152,6 +153,7 @@ class CpuKernels:
             block_tables: int32 [B, max_blocks]; seq_lens: int32 [B] (context incl. the token).
             rows: int64 [n] token row of each decode request; batch: int64 [n] its batch index.
             max_seq_len: >= seq_lens[batch[i]] for every i (sizes the work buffers).
+            window: sliding window (each query sees its last `window` keys); None: all.
         """
         _, _, block_size, hkv, d = kv_cache.shape
         _, hq, qd = q.shape
@@ -166,6 +168,8 @@ class CpuKernels:
                 raise ValueError(f"{name} needs contiguous heads, got strides {x.stride()}.")
         if not kv_cache.is_contiguous() or block_tables.stride(1) != 1:
             raise ValueError("kv_cache and block_tables rows must be contiguous.")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}.")
         if (block_tables.dtype, seq_lens.dtype) != (torch.int32, torch.int32) or (
             rows.dtype,
             batch.dtype,
@@ -190,6 +194,7 @@ class CpuKernels:
             block_size,
             max_seq_len,
             scale,
+            window or 0,
             torch.get_num_threads(),
         )
         if failed:

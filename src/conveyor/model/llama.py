@@ -5,11 +5,11 @@ Module names mirror transformers' (`model.layers.N.self_attn...`) except two fus
 `PACKED_MODULES` tells the loader how to build them. Residual adds are fused into the
 following RMSNorm, so a layer passes (hidden, residual) along.
 
-Sliding-window attention is not applied: attention always sees the whole context, which
-equals sliding-window attention only while contexts are <= the window. `ModelConfig.
-sliding_window` is the smallest window any layer uses (Mistral's `sliding_window`, Qwen2's
-`use_sliding_window` + `max_window_layers`, or per-layer `layer_types`), and the runner caps
-the context to it, so a longer request is refused instead of answered differently.
+Sliding-window attention: `ModelConfig.layer_windows` gives each layer's window (None: full
+attention), as transformers decides it (Mistral's `sliding_window` on every layer, Qwen2/3's
+`use_sliding_window` from layer `max_window_layers` on, or a per-layer `layer_types` list). A
+layer with window W lets the token at position p see keys p - W + 1 .. p (W keys, itself
+included), which every attention backend applies; requests may run past the window.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
-    sliding_window: int | None = None  # a layer's window; the context is capped to it
+    sliding_window: int | None = None  # the window of the layers that use one
+    # One entry per layer: its sliding window, or None for full attention (empty: all full).
+    layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -60,6 +62,7 @@ class ModelConfig:
         "rope_type"). Both are accepted.
         """
         archs = hf.get("architectures") or []
+        windows = layer_windows(hf)
         if not archs:
             raise ValueError("config.json has no 'architectures' entry.")
         if hf.get("hidden_act", "silu") != "silu":
@@ -105,27 +108,37 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=_sliding_window(hf),
+            sliding_window=next((w for w in windows if w is not None), None),
+            layer_windows=windows,
         )
 
 
-def _sliding_window(hf: dict[str, Any]) -> int | None:
-    """The window of the layers that use one, None when every layer attends to everything.
+def layer_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers picks them.
 
     transformers 5 lists `layer_types` ("sliding_attention" / "full_attention"); older Qwen2/3
     configs gate the window behind `use_sliding_window`, from layer `max_window_layers` on;
-    Mistral's applies to every layer.
+    otherwise (Mistral) a `sliding_window` applies to every layer.
+
+    Raises:
+        ValueError: a `layer_types` list of the wrong length or with another attention type.
     """
-    window = hf.get("sliding_window")
-    if not window:
-        return None
+    n = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") or None
     layer_types = hf.get("layer_types")
     if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
+        if len(layer_types) != n or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+            raise ValueError(
+                f"config.json's layer_types {layer_types!r} must list 'full_attention' or "
+                f"'sliding_attention' for each of the {n} layers."
+            )
+        if "use_sliding_window" in hf and not hf["use_sliding_window"]:
+            window = None  # Qwen2/3: transformers drops the window when it is switched off
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if "use_sliding_window" in hf:
-        first = hf.get("max_window_layers", 0)
-        return window if hf["use_sliding_window"] and first < hf["num_hidden_layers"] else None
-    return window
+        first = hf.get("max_window_layers", 0) if hf["use_sliding_window"] else n
+        return tuple(window if i >= first else None for i in range(n))
+    return (window,) * n
 
 
 class LlamaAttention(nn.Module):
@@ -136,8 +149,10 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         backend: AttentionBackend,
+        window: int | None = None,
     ) -> None:
         super().__init__()
+        self.window = window  # sliding window (None: the whole context)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d = config.head_dim
@@ -167,7 +182,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, d))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d))
             q, k = rope(q), rope(k)
-        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -200,7 +215,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, make_attn()) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, make_attn(i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -229,8 +244,10 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = config.attention_bias or self.force_qkv_bias
         o_bias = config.attention_bias
 
-        def make_attn() -> LlamaAttention:
-            return LlamaAttention(config, qkv_bias, o_bias, self.qk_norm, backend)
+        windows = config.layer_windows or (None,) * config.num_hidden_layers
+
+        def make_attn(i: int) -> LlamaAttention:
+            return LlamaAttention(config, qkv_bias, o_bias, self.qk_norm, backend, windows[i])
 
         self.model = LlamaModel(config, make_attn)
         # Tied: logits reuse the embedding matrix, so there is no lm_head parameter at all.
@@ -273,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same graph as Llama (sliding_window not applied; see module docstring)."""
+    """Same graph as Llama (its sliding window: see the module docstring)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -11,8 +11,10 @@
  * rows of D floats in q and in out: one task per (request, KV head) reads each K and V row
  * of its context once and uses it for all G query heads.
  *
- *     scores[g][j] = scale * <q[g], K[j]>              j < seq_len
+ *     scores[g][j] = scale * <q[g], K[j]>              lo <= j < seq_len
  *     out[g]       = sum_j softmax_j(scores[g])[j] * V[j]
+ *
+ * lo = 0, or seq_len - window for a sliding window (window > 0) shorter than the context.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,7 +45,9 @@ int conveyor_decode_attention_f32(
     const int32_t *block_tables, int64_t bt_stride,
     const int32_t *seq_lens,                  /* indexed by batch index */
     const int64_t *rows, const int64_t *batch, int64_t n,
-    int hq, int hkv, int d, int block_size, int max_seq_len, float scale, int num_threads)
+    int hq, int hkv, int d, int block_size, int max_seq_len, float scale,
+    int window,                               /* sliding window; 0: the whole context */
+    int num_threads)
 {
     const int g = hq / hkv;
     const int64_t token_stride = (int64_t)hkv * d;
@@ -62,7 +66,9 @@ int conveyor_decode_attention_f32(
             for (int h = 0; h < hkv; h++) {
                 if (!ok) continue;
                 const int64_t b = batch[i];
-                const int len = seq_lens[b];
+                const int end = seq_lens[b];
+                const int lo = window > 0 && end > window ? end - window : 0;
+                const int len = end - lo;             /* keys lo .. end - 1, as 0 .. len - 1 */
                 const int32_t *table = block_tables + b * bt_stride;
                 const int64_t head_off = (int64_t)h * d;
                 const float *qh = q + rows[i] * q_row_stride + (int64_t)h * g * d;
@@ -70,10 +76,10 @@ int conveyor_decode_attention_f32(
                 for (int x = 0; x < g; x++) mx[x] = -INFINITY;
                 for (int j = 0; j < len; j++) {
                     if (j + PREFETCH_AHEAD < len)
-                        prefetch_row(cache_row(k_cache, table, j + PREFETCH_AHEAD, block_size,
-                                               token_stride, head_off), d);
-                    const float *kp = cache_row(k_cache, table, j, block_size, token_stride,
-                                                head_off);
+                        prefetch_row(cache_row(k_cache, table, lo + j + PREFETCH_AHEAD,
+                                               block_size, token_stride, head_off), d);
+                    const float *kp = cache_row(k_cache, table, lo + j, block_size,
+                                                token_stride, head_off);
                     for (int x = 0; x < g; x++) {
                         const float *qx = qh + (int64_t)x * d;
                         float s = 0.f;
@@ -96,10 +102,10 @@ int conveyor_decode_attention_f32(
                 memset(acc, 0, sizeof(float) * (size_t)g * (size_t)d);
                 for (int j = 0; j < len; j++) {
                     if (j + PREFETCH_AHEAD < len)
-                        prefetch_row(cache_row(v_cache, table, j + PREFETCH_AHEAD, block_size,
-                                               token_stride, head_off), d);
-                    const float *vp = cache_row(v_cache, table, j, block_size, token_stride,
-                                                head_off);
+                        prefetch_row(cache_row(v_cache, table, lo + j + PREFETCH_AHEAD,
+                                               block_size, token_stride, head_off), d);
+                    const float *vp = cache_row(v_cache, table, lo + j, block_size,
+                                                token_stride, head_off);
                     for (int x = 0; x < g; x++) {
                         const float p = scores[(int64_t)x * len + j];
                         float *ax = acc + (int64_t)x * d;
