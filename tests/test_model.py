@@ -234,8 +234,9 @@ def test_config_reads_transformers4_rope_fields():
     )
     assert v4 == v5
     assert v4.rope_theta == 5e5 and v4.rope_scaling == {"rope_type": "llama3", **scaling}
-    with pytest.raises(ValueError, match="dynamic"):  # yarn is supported (test_rope_scaling)
-        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2}})
+    # yarn and dynamic are supported (test_rope_scaling); longrope is not.
+    with pytest.raises(ValueError, match="Unsupported rope type 'longrope'"):
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2}})
 
 
 def test_registry_and_backend_choice(monkeypatch):

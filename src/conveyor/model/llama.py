@@ -76,11 +76,18 @@ class ModelConfig:
             rope = dict(rope["full_attention"])
         theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
+        if rope_type not in ("default", "linear", "llama3", "yarn", "dynamic"):
             raise ValueError(
-                f"Unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn."
+                f"Unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn, "
+                "dynamic."
             )
         scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
+        max_position = hf.get("max_position_embeddings", 2048)
+        if rope_type == "dynamic":
+            # As transformers: max_position_embeddings is the original context; the context
+            # served is factor times that (vLLM's rule). See layers.dynamic_ntk_inv_freq.
+            scaling["original_max_position_embeddings"] = max_position
+            max_position = max(max_position, int(max_position * scaling["factor"]))
         if rope_type in ("llama3", "yarn"):  # as transformers standardizes them
             if "original_max_position_embeddings" in hf:
                 scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
@@ -101,7 +108,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_position,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
