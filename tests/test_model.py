@@ -308,3 +308,18 @@ def test_resolve_dtype_auto_is_fp32_on_cpu_and_follows_a_half_precision_checkpoi
     assert resolve_dtype(torch.float16, cuda, bf16) is torch.float16
     with pytest.raises(ValueError, match="dtype must be auto, float32, float16, bfloat16"):
         resolve_dtype("fp8", cpu)
+
+
+def test_loading_shows_a_progress_bar_over_shards_only_when_there_are_several(tmp_path, capsys):
+    cfg = transformers.LlamaConfig(**_BASE)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    hf.save_pretrained(tmp_path / "single")
+    shards = len(list((tmp_path / "sharded").glob("model-*.safetensors")))
+    assert shards >= 2
+    capsys.readouterr()
+    load_model(tmp_path / "sharded", torch.float32, "cpu")
+    err = capsys.readouterr().err
+    assert "Loading safetensors shards" in err and f"{shards}/{shards}" in err
+    load_model(tmp_path / "single", torch.float32, "cpu")
+    assert "Loading safetensors shards" not in capsys.readouterr().err

@@ -195,7 +195,9 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         theta: float,
         scaling: dict[str, Any] | None = None,
+        freq_factors: tuple[float, ...] | None = None,
     ) -> None:
+        """freq_factors: one divisor per frequency (a GGUF file's rope_freqs), or None."""
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}.")
@@ -205,6 +207,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq = dynamic_ntk_inv_freq(head_dim, theta, scaling, max_position)
         else:
             inv_freq = rope_inv_freq(head_dim, theta, scaling)[None, :]
+        if freq_factors is not None:
+            if len(freq_factors) != head_dim // 2:
+                raise ValueError(f"{len(freq_factors)} rope factors for head size {head_dim}.")
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32, device="cpu")
         # Explicit device: stays real even when the model is built under torch.device("meta").
         pos = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
         freqs = pos[:, None] * inv_freq

@@ -49,6 +49,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    # GGUF rope_freqs (Llama 3.1+ files): each rotary frequency is divided by its factor.
+    rope_freq_factors: tuple[float, ...] | None = None
     sliding_window: int | None = None  # the window of the layers that use one
     # One entry per layer: its sliding window, or None for full attention (empty: all full).
     layer_windows: tuple[int | None, ...] = ()
@@ -112,6 +114,7 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
+            rope_freq_factors=tuple(hf["rope_freq_factors"]) if "rope_freq_factors" in hf else None,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
@@ -226,7 +229,11 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            config.rope_freq_factors,
         )
 
 
