@@ -22,7 +22,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.model.attention import CpuAttentionBackend, build_attention_metadata
 from conveyor.model.cpu_attention import _CpuPlan
 from conveyor.model.kv_cache import write_kv_cache
-from conveyor.model.llama import ModelConfig
+from conveyor.model.model_config import ModelConfig
 from conveyor.model.torch_attention import paged_attention
 
 WINDOW = 16
