@@ -6,8 +6,8 @@ its own. Index tensors are derived once per step and window (a _TorchPlan in
 meta.backend_state, see step_plan) and reused by every layer. int8 caches are gathered and
 dequantised first.
 
-Sliding window W: the token at position p sees keys p - W + 1 .. p. Decode rows mask the
-keys before that; a prefill chunk gathers only from the first block it can see.
+Sliding window W: the token at position p sees keys p - W + 1 .. p. Decode rows and prefill
+chunks gather only from the first block their window touches and mask the keys before it.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class _DecodeGroup:
 
     rows: slice | torch.Tensor  # their token rows (a slice when contiguous)
     block_ids: torch.Tensor  # int64 [n * nb], row-major per request
-    # additive [n, 1, 1, nb * block_size]: 0 iff key j < seq_len (and j >= seq_len - window)
+    # additive [n, 1, 1, keys]: 0 iff the column's key < seq_len (and >= seq_len - window);
+    # with a window, row i's columns start at its first block in the window
     mask: torch.Tensor
     size: int
 
@@ -115,10 +116,22 @@ def _decode_group(
         rows = torch.tensor([starts[b] for b in batch_idx], dtype=torch.int64, device=device)
         tables = meta.block_tables.index_select(0, idx)[:, :nb]
         lens = meta.seq_lens.index_select(0, idx)
-    keys = torch.arange(nb * block_size, device=device)
-    allowed = keys[None, :] < lens[:, None]
+    keys = torch.arange(nb * block_size, device=device)[None, :]  # each column's position
     if window is not None:
-        allowed &= keys[None, :] >= lens[:, None] - window
+        firsts = [max(0, meta.seq_lens_cpu[b] - window) // block_size for b in batch_idx]
+        if any(firsts):  # gather only the blocks each row's window touches
+            span = max(
+                -(-meta.seq_lens_cpu[b] // block_size) - f
+                for b, f in zip(batch_idx, firsts, strict=True)
+            )
+            first = torch.tensor(firsts, dtype=torch.int64, device=device)[:, None]
+            # Columns past a row's own blocks read some block of it, masked below.
+            cols = (first + torch.arange(span, device=device)).clamp_(max=nb - 1)
+            tables = tables.gather(1, cols)
+            keys = first * block_size + torch.arange(span * block_size, device=device)
+    allowed = keys < lens[:, None]
+    if window is not None:
+        allowed &= keys >= lens[:, None] - window
     mask = _additive(allowed, dtype).view(len(batch_idx), 1, 1, -1)
     return _DecodeGroup(rows, tables.reshape(-1).long(), mask, len(batch_idx))
 
