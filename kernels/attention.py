@@ -2,7 +2,9 @@
 
 Request b owns rows qsl[b] .. qsl[b+1]-1 of q (qsl = query_start_loc); they sit at positions
 ctx_b .. seq_len_b - 1 (ctx_b = seq_len_b - q_len_b tokens were cached before) and attend
-causally to keys 0 .. their own position, read from the paged cache through block_tables[b].
+causally to keys 0 .. their own position, read from the paged cache through block_tables[b];
+with a sliding window W (WINDOW > 0) the token at position p sees keys p - W + 1 .. p only,
+and a query block starts at the tile holding its first token's first key.
 
 Program (qb, kvh, split) = one query block x one KV head x one slice of the keys.
 A query block holds BLOCK_Q consecutive new tokens of ONE request; its BLOCK_M rows are the
@@ -71,6 +73,7 @@ def _paged_attention_kernel(
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     QUANT: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -96,11 +99,14 @@ def _paged_attention_kernel(
         other=0.0,
     ).to(COMPUTE)
 
-    # Causal: the block's last token sees keys 0 .. ctx + last; its tiles are split evenly.
+    # Causal: the block's last token sees keys 0 .. ctx + last; with a window its first token
+    # sees nothing before ctx + first - WINDOW + 1. Its tiles are split evenly.
     kv_len = ctx + tl.minimum(first_tok + BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
+    # WINDOW is a constexpr: one compiled variant per window size (usually <= 2 per model).
+    tile_first = tl.maximum(ctx + first_tok - WINDOW + 1, 0) // TILE_N if WINDOW > 0 else 0
+    tiles_per_split = tl.cdiv(num_tiles - tile_first, NUM_SPLITS)
+    tile_lo = tile_first + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -125,6 +131,8 @@ def _paged_attention_kernel(
             s = s * k_scale[None, :]
             v = (v * v_scale[:, None]).to(COMPUTE)
         visible = row_ok[:, None] & (offs_n[None, :] <= (ctx + tok)[:, None])
+        if WINDOW > 0:
+            visible = visible & (offs_n[None, :] > (ctx + tok - WINDOW)[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
@@ -224,6 +232,7 @@ def paged_attention(
     max_seq_len: int,
     kv_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for one mixed prefill/decode varlen batch (K/V already cached).
 
@@ -237,6 +246,7 @@ def paged_attention(
         max_query_len, max_seq_len: host copies of the largest q_len and seq_len.
         kv_scales: fp32 [2, num_blocks, block_size, Hkv] when kv_cache is int8.
         num_splits: key splits per query block (a power of 2 <= 16; None: by grid size).
+        window: sliding window (position p sees keys p - window + 1 .. p); None: all keys.
     Returns:
         [T, Hq, D] in q's dtype.
     """
@@ -261,12 +271,14 @@ def paged_attention(
         check(x.device == q.device, f"{name} is on {x.device}, q on {q.device}.")
         check(x is kv_cache or x.dtype == torch.int32, f"{name} must be int32, got {x.dtype}.")
     check(max_query_len >= 1 and max_seq_len >= max_query_len, "bad max_query_len/max_seq_len.")
+    check(window is None or window >= 1, f"window must be >= 1, got {window}.")
 
     group = hq // hkv
     block_m, block_q, tile_n, num_warps = _tiling(group, max_query_len, q.dtype)
     num_q_blocks = t // block_q + b
-    if num_splits is None:
-        num_splits = _num_splits(q.device, num_q_blocks * hkv, max_seq_len, tile_n)
+    if num_splits is None:  # keys one query block reads: at most window + its tokens
+        keys = max_seq_len if window is None else min(max_seq_len, window + block_q)
+        num_splits = _num_splits(q.device, num_q_blocks * hkv, keys, tile_n)
     check(num_splits in (1, 2, 4, 8, 16), f"num_splits must be a power of 2 <= 16: {num_splits}")
     d_pad = triton.next_power_of_2(d)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -290,7 +302,7 @@ def paged_attention(
         *s_scales, block_tables.stride(0),
         NUM_Q_HEADS=hq, GROUP=group, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_splits,
-        QUANT=quant, COMPUTE=compute,
+        QUANT=quant, COMPUTE=compute, WINDOW=window or 0,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=num_warps, num_stages=2,
     )  # fmt: skip

@@ -5,6 +5,9 @@ metadata keys, `llama` q/k rows in GGML's interleaved rope order, the byte-level
 vocabulary as `gpt2` tokens and merges, the chat template), so that both transformers' GGUF
 loader and conveyor's read the same bytes.
 
+A checkpoint with llama3 rope gets the `rope_freqs.weight` tensor llama.cpp's converter writes
+for Llama 3.1+ (one divisor per rotary frequency; the file keeps the original rope base).
+
 Quantization: `gguf.quants.quantize` writes F16, BF16, Q8_0, Q4_0 and Q4_1. It cannot write the
 K-quants (Q4_K, Q6_K: dequantize only), so for those each 256-value block is filled with random
 bytes and a small float16 super-block scale: valid blocks whose dequantized values are the
@@ -14,6 +17,7 @@ weights both loaders see. Norms and biases stay F32, as llama.cpp keeps them.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -105,11 +109,31 @@ def write_gguf(
             w.add_tensor(gguf_name(name), _random_k_blocks(*value.shape, t, rng), raw_dtype=t)
         else:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(value, t), raw_dtype=t)
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """Per-frequency divisors equal to llama3 rope scaling: 1 for short wavelengths, `factor`
+    for long ones, the reciprocal of the blend in between (as llama.cpp's converter)."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, np.float32)
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, checkpoint: Path) -> None:

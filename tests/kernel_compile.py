@@ -71,6 +71,7 @@ def _compile(fn, args, kwargs, arch: int) -> dict:
             capture_output=True, text=True, check=True,
         ).stderr  # fmt: skip
     shown = ("GROUP", "HEAD_DIM", "BLOCK_M", "TILE_N", "NUM_SPLITS", "QUANT", "BLOCK_SIZE")
+    shown += ("WINDOW",)
     return {
         "kernel": fn.__name__,
         **{k: v for k, v in consts.items() if k in shown},
@@ -81,15 +82,18 @@ def _compile(fn, args, kwargs, arch: int) -> dict:
 
 
 def _attention_cases():
-    """(dtype, head size, GQA ratio, block size, int8, num_splits, mixed) per configuration."""
-    yield torch.bfloat16, 128, 4, 16, False, 1, False  # Llama-8B decode
-    yield torch.bfloat16, 128, 4, 16, False, 4, False  # ... with split keys (+ reduce kernel)
-    yield torch.bfloat16, 128, 4, 16, False, 1, True  # Llama-8B mixed prefill/decode
-    yield torch.bfloat16, 128, 4, 16, True, 1, False  # int8 cache decode
-    yield torch.bfloat16, 128, 4, 16, True, 2, True  # int8 cache mixed, split
-    yield torch.float16, 96, 8, 32, False, 1, True  # padded head size, block 32
-    yield torch.float16, 64, 1, 16, False, 1, False  # MHA
-    yield torch.float32, 64, 4, 16, False, 1, True  # fp32 mixed
+    """(dtype, head size, GQA ratio, block size, int8, num_splits, mixed, sliding window) per
+    configuration."""
+    yield torch.bfloat16, 128, 4, 16, False, 1, False, None  # Llama-8B decode
+    yield torch.bfloat16, 128, 4, 16, False, 4, False, None  # ... split keys (+ reduce kernel)
+    yield torch.bfloat16, 128, 4, 16, False, 1, True, None  # Llama-8B mixed prefill/decode
+    yield torch.bfloat16, 128, 4, 16, True, 1, False, None  # int8 cache decode
+    yield torch.bfloat16, 128, 4, 16, True, 2, True, None  # int8 cache mixed, split
+    yield torch.float16, 96, 8, 32, False, 1, True, None  # padded head size, block 32
+    yield torch.float16, 64, 1, 16, False, 1, False, None  # MHA
+    yield torch.float32, 64, 4, 16, False, 1, True, None  # fp32 mixed
+    yield torch.bfloat16, 128, 4, 16, False, 2, False, 32  # Mistral-style window, decode split
+    yield torch.bfloat16, 128, 4, 16, False, 1, True, 32  # ... mixed prefill/decode
 
 
 def main() -> int:
@@ -108,7 +112,7 @@ def main() -> int:
     ]
     for module, name in kernels:
         setattr(module, name, _Capture(getattr(module, name)))
-    for dtype, d, group, bs, quant, splits, mixed in _attention_cases():
+    for dtype, d, group, bs, quant, splits, mixed, window in _attention_cases():
         hkv, q_lens = 2, [1, 1, 1] + ([40] if mixed else [])
         seq_lens = [50, 17, 64] + ([90] if mixed else [])
         cache = torch.zeros(2, 32, bs, hkv, d, dtype=torch.int8 if quant else dtype)
@@ -118,7 +122,7 @@ def main() -> int:
         qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         attention.paged_attention(
-            q, cache, tables, lens, qsl, 0.1, max(q_lens), max(seq_lens), scales, splits
+            q, cache, tables, lens, qsl, 0.1, max(q_lens), max(seq_lens), scales, splits, window
         )
         kv_write.write_kv(q[:, :hkv], q[:, :hkv], cache, torch.zeros(len(q), dtype=torch.int64),
                           scales)  # fmt: skip

@@ -71,7 +71,7 @@ def _both(shapes, hq, hkv, d, bs, seed, **kw):
     q, k, v, cache, meta = _batch(shapes, hq, hkv, d, bs, seed, **kw)
     backend = CpuAttentionBackend(CPU)
     got = backend.forward(q, k, v, cache, meta, d**-0.5)
-    plan = meta.backend_state
+    (plan,) = meta.backend_state.values()  # the step's one plan (every layer full attention)
     meta.backend_state = None
     want = reference(q, k, v, cache, meta, d**-0.5)  # cache already holds k, v
     return got, want, plan
@@ -163,6 +163,11 @@ def test_kernel_rejects_inputs_it_cannot_read(kernels):
         kernels.paged_attention(q, out, cache, meta.block_tables, rows, batch[:1], *tail[2:])
     with pytest.raises(ValueError, match="shapes do not fit"):
         kernels.paged_attention(q, torch.empty(2, 4, 8), cache, *args)
+    with pytest.raises(ValueError, match="longer than 7"):  # would overrun the work buffers
+        kernels.paged_attention(q, out, cache, meta.block_tables, rows, batch, meta.seq_lens, 7, 1)
+    with pytest.raises(ValueError, match="key range is empty"):
+        begin = meta.seq_lens.clone()
+        kernels.paged_attention(q, out, cache, *args, key_begin=begin)
 
 
 def test_the_build_is_cached_per_source_and_compiler(kernels, tmp_path, monkeypatch):

@@ -68,6 +68,25 @@ def test_gguf_greedy_tokens_equal_transformers_on_the_same_file(gguf_case):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+def test_a_llama3_gguf_applies_its_rope_freqs_like_the_hf_model(tmp_path, tiny_tokenizer_dir):
+    """Llama 3.1+ files carry llama3 rope scaling as rope_freqs.weight. transformers' GGUF
+    loader does not read that tensor, so the reference is the HF checkpoint the file was
+    written from (rope_type llama3, original context 64): prompts run past position 64."""
+    hf_dir = write_checkpoint(tmp_path / "hf", "llama3-rope", tiny_tokenizer_dir)
+    file = write_gguf(hf_dir, tmp_path / "llama3.gguf", QType.F32)
+    (freqs,) = [t for t in gguf.GGUFReader(file).tensors if t.name == "rope_freqs.weight"]
+    assert freqs.data.min() == 1.0 and freqs.data.max() == 8.0  # short kept, long slowed 8x
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (40, 70, 100)]
+    max_tokens = [40, 30, 20]
+    expected = greedy_reference(hf, prompts, max_tokens)
+    llm = LLM(str(file), num_kv_blocks=64, dtype="float32")
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_gguf_tokenizer_and_chat_template_come_from_the_file(gguf_case):
     _, hf_dir, file, _, _, _ = gguf_case
     ours = Tokenizer.from_pretrained(file)

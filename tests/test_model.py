@@ -195,7 +195,8 @@ def test_paged_attention_matches_dense_causal_attention(shapes, backend):
     v_new = torch.cat([v[s - n :] for (n, s), (_, v) in zip(shapes, full, strict=True)])
     out = get_attention_backend(backend, "cpu").forward(q, k_new, v_new, cache, meta, 0.3)
     if len(shapes) == 9 and backend == "torch":
-        assert len(meta.backend_state.decode_groups) == 2  # the long decode attends alone
+        (plan,) = meta.backend_state.values()
+        assert len(plan.decode_groups) == 2  # the long decode attends alone
     start = 0
     for (n, s), (k, v) in zip(shapes, full, strict=True):
         want = _dense_attention(q[start : start + n], k, v, s - n, 0.3)
@@ -233,8 +234,9 @@ def test_config_reads_transformers4_rope_fields():
     )
     assert v4 == v5
     assert v4.rope_theta == 5e5 and v4.rope_scaling == {"rope_type": "llama3", **scaling}
-    with pytest.raises(ValueError, match="dynamic"):  # yarn is supported (test_rope_scaling)
-        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2}})
+    # yarn and dynamic are supported (test_rope_scaling); longrope is not.
+    with pytest.raises(ValueError, match="Unsupported rope type 'longrope'"):
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2}})
 
 
 def test_registry_and_backend_choice(monkeypatch):
@@ -306,3 +308,18 @@ def test_resolve_dtype_auto_is_fp32_on_cpu_and_follows_a_half_precision_checkpoi
     assert resolve_dtype(torch.float16, cuda, bf16) is torch.float16
     with pytest.raises(ValueError, match="dtype must be auto, float32, float16, bfloat16"):
         resolve_dtype("fp8", cpu)
+
+
+def test_loading_shows_a_progress_bar_over_shards_only_when_there_are_several(tmp_path, capsys):
+    cfg = transformers.LlamaConfig(**_BASE)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    hf.save_pretrained(tmp_path / "single")
+    shards = len(list((tmp_path / "sharded").glob("model-*.safetensors")))
+    assert shards >= 2
+    capsys.readouterr()
+    load_model(tmp_path / "sharded", torch.float32, "cpu")
+    err = capsys.readouterr().err
+    assert "Loading safetensors shards" in err and f"{shards}/{shards}" in err
+    load_model(tmp_path / "single", torch.float32, "cpu")
+    assert "Loading safetensors shards" not in capsys.readouterr().err

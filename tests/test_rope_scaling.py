@@ -1,8 +1,9 @@
 """RoPE scaling past the original context: greedy tokens equal transformers'.
 
 Each type runs prompts that start inside the original context (32 positions here) and run
-well past it, on a tiny Llama whose rope has that scaling. Dynamic NTK is refused: its
-frequencies depend on the longest sequence in transformers' batch at each step.
+well past it, on a tiny Llama whose rope has that scaling. Dynamic NTK follows transformers
+position by position (conveyor.model.layers.dynamic_ntk_inv_freq): exact for generated tokens
+and prompts inside the original context, and independent of how a longer prompt is chunked.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import transformers
 from tests.hf_checkpoints import write_checkpoint
 
 from conveyor import LLM, SamplingParams
+from conveyor.model.layers import RotaryEmbedding
 from conveyor.model.llama import ModelConfig
 
 ORIGINAL = 32
@@ -67,9 +69,71 @@ def test_rope_scaling_matches_transformers_past_the_original_context(
     assert got == want
 
 
-def test_dynamic_ntk_rope_is_refused_by_name():
-    hf = dict(architectures=["LlamaForCausalLM"], vocab_size=8, hidden_size=8,
-              intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-              rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4))  # fmt: skip
-    with pytest.raises(ValueError, match=r"Unsupported rope type 'dynamic'; supported: default"):
-        ModelConfig.from_hf_config(hf)
+DYNAMIC = {"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 4.0}
+
+
+@pytest.fixture(scope="module")
+def dynamic_llama(tmp_path_factory, tiny_tokenizer_dir):
+    # transformers' dynamic NTK reads max_position_embeddings as the original context.
+    path = write_checkpoint(
+        tmp_path_factory.mktemp("dynamic"), "llama", tiny_tokenizer_dir,
+        rope_parameters=DYNAMIC, max_position_embeddings=ORIGINAL,
+    )  # fmt: skip
+    return path, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_dynamic_ntk_matches_transformers_past_the_original_context(dynamic_llama):
+    """Prompts inside the original 32 positions decode to position ~90: every generated token
+    is rotated with the base transformers recomputes for it (its position + 1), and cached
+    keys keep the rotation they were written with, in both. conveyor batches the prompts and
+    chunks them; transformers runs each alone (its base would follow the longest row)."""
+    path, hf = dynamic_llama
+    rng = random.Random(9)
+    prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (31, 12, 20)]
+    max_tokens = 60
+    want = []
+    for ids in prompts:
+        out = hf.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+        )  # fmt: skip
+        want.append(out[0, len(ids) :].tolist())
+    llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=8)
+    assert llm.llm_engine.max_model_len == 4 * ORIGINAL  # factor x the original context
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_dynamic_ntk_table_row_is_transformers_rotation_at_that_length(dynamic_llama):
+    _, hf = dynamic_llama
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, 10000.0,
+                          config.rope_scaling)  # fmt: skip
+    rotary = type(hf.model.rotary_emb)(hf.config)
+    x = torch.zeros(1, 1, config.head_dim)
+    for p in (0, ORIGINAL - 1, ORIGINAL, 77, 4 * ORIGINAL - 1):
+        cos, sin = rotary(x, torch.arange(p + 1)[None])  # a forward whose last position is p
+        half = config.head_dim // 2
+        want = torch.cat((cos[0, -1, :half], sin[0, -1, :half]))
+        # Equal up to the last bit of a vectorised float32 power (see dynamic_ntk_inv_freq).
+        torch.testing.assert_close(emb.cos_sin_cache[p], want, atol=1e-6, rtol=0)
+        if p < ORIGINAL:  # plain rope there: exactly transformers' initial frequencies
+            torch.testing.assert_close(emb.cos_sin_cache[p], want, atol=0, rtol=0)
+
+
+def test_dynamic_ntk_prompts_longer_than_the_original_context_do_not_depend_on_chunking(
+    dynamic_llama,
+):
+    """Past the original context a prompt token's rotation follows its own position, so the
+    answer is the same whatever the chunk size (transformers would rotate a whole prompt with
+    the base of its length; see layers.dynamic_ntk_inv_freq)."""
+    path, hf = dynamic_llama
+    rng = random.Random(4)
+    prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (45, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs = []
+    for chunk in (2048, 7):
+        llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=chunk)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1]

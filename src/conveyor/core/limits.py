@@ -65,9 +65,6 @@ class PromptLimits:
     max_model_len: int
     vocab_size: int
     kv_capacity: int  # KV slots in the whole cache: num_kv_blocks * block_size
-    # Why the context is what it is, when that is not plain (e.g. a sliding window):
-    # appended to "maximum context length is N tokens".
-    context_note: str = ""
 
     def check(self, prompt_ids: list[int], params: SamplingParams, strict: bool = False) -> int:
         """Reject a prompt that can never run; return its output cap.
@@ -96,7 +93,7 @@ class PromptLimits:
                     f"logit_bias keys must be token ids in [0, {vocab}); got {t}.", "logit_bias"
                 )
         n, limit = len(prompt_ids), self.max_model_len
-        context = f"This model's maximum context length is {limit} tokens{self.context_note}."
+        context = f"This model's maximum context length is {limit} tokens."
         if n >= limit:
             raise PromptError(
                 f"{context} However, your prompt has {n} tokens, leaving no room for output."

@@ -53,9 +53,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         # What any prompt must fit (plain numbers: safe to read from another thread).
         kv_capacity = self.scheduler.block_manager.num_total_blocks * config.block_size
-        self.limits = PromptLimits(
-            self.max_model_len, self.runner.vocab_size, kv_capacity, self.runner.context_note
-        )
+        self.limits = PromptLimits(self.max_model_len, self.runner.vocab_size, kv_capacity)
         self.grammars = GrammarCache(
             self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids
         )

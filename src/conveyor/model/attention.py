@@ -2,7 +2,9 @@
 
 One step runs ONE flat varlen batch: request b owns new tokens
 query_start_loc[b] .. query_start_loc[b+1]-1, at positions seq_lens[b]-query_lens[b] ..
-seq_lens[b]-1, and attends causally to its whole context (cached tokens + new ones).
+seq_lens[b]-1, and attends causally to its whole context (cached tokens + new ones), or, in
+a layer with a sliding window W, to the last W keys up to its own position (keys p - W + 1 ..
+p; blocks wholly before that stay allocated and are not read).
 
 KV cache, one per layer (conveyor.model.kv_cache): [2 (k|v), num_blocks, block_size,
 num_kv_heads, head_dim], in the model's dtype or int8 with per-token, per-head scales.
@@ -57,7 +59,7 @@ class AttentionMetadata:
     # Optional: int64 [T] positions of the new tokens (runners may carry them here).
     positions: torch.Tensor | None = None
     # Per-step state a backend derives in the first layer and reuses in the others (the torch
-    # backend's index plan, torch_attention._make_plan).
+    # backend's index plans by window, torch_attention.step_plan).
     backend_state: Any = field(default=None, repr=False, compare=False)
 
 
@@ -131,8 +133,11 @@ class AttentionBackend(ABC):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]; stores k/v at meta.slot_mapping."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]; stores k/v at meta.slot_mapping.
+
+        window: the layer's sliding window (None: the whole context)."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -148,11 +153,12 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         # Fresh prompts attend to k/v as the cache holds them (int8: their round trip), so
         # this reference sees exactly what the Triton kernel reads back.
         k, v = write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        return paged_attention(q, k, v, kv_cache, meta, scale)
+        return paged_attention(q, k, v, kv_cache, meta, scale, window)
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -180,6 +186,7 @@ class CpuAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         k, v = write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         if (
@@ -188,8 +195,8 @@ class CpuAttentionBackend(AttentionBackend):
             or kv_cache.dtype != torch.float32
             or q.dtype != torch.float32
         ):
-            return paged_attention(q, k, v, kv_cache, meta, scale)
-        return cpu_paged_attention(q, k, v, kv_cache, meta, scale, self._kernels)
+            return paged_attention(q, k, v, kv_cache, meta, scale, window)
+        return cpu_paged_attention(q, k, v, kv_cache, meta, scale, self._kernels, window)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -209,6 +216,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         cache, scales = (
             (kv_cache.data, kv_cache.scales)
@@ -226,6 +234,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_query_len,
             meta.max_seq_len,
             kv_scales=scales,
+            window=window,
         )
         return out.view(q.shape[0], -1)
 

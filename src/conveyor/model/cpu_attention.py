@@ -6,8 +6,9 @@ square is large.
 
 In the kernel a row attends to its own context: a decode row to its request's whole
 context, the token at position p of a prefill chunk to positions 0..p (causal), the chunk's
-own K/V included (the backend writes them to the cache first). So there are no length
-groups, masks or gathers: a long request in a batch of short ones costs only its own work.
+own K/V included (the backend writes them to the cache first); in a sliding-window layer
+of window W, to positions p - W + 1 .. p. So there are no length groups, masks or gathers:
+a long request in a batch of short ones costs only its own work.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from conveyor.model.cpu_kernels import CpuKernels
-from conveyor.model.torch_attention import _Chunk, attend_chunks, plan_chunks
+from conveyor.model.torch_attention import _Chunk, attend_chunks, plan_chunks, step_plan
 
 if TYPE_CHECKING:
     from conveyor.model.attention import AttentionMetadata
@@ -31,16 +32,20 @@ SDPA_MIN_CHUNK = 512
 
 @dataclass(slots=True)
 class _CpuPlan:
-    """Index tensors derived once per step (in the first layer) and reused by the others."""
+    """Index tensors derived once per step and window (in the first layer with that window)
+    and reused by the others."""
 
     rows: torch.Tensor  # int64 [n]: the token rows the kernel attends
     batch: torch.Tensor  # int64 [n]: each one's request (batch index, block table row)
+    key_begin: torch.Tensor | None  # int32 [n]: its first visible key (None: 0, no window)
     key_end: torch.Tensor  # int32 [n]: its position + 1 (causal)
     max_keys: int
     chunks: list[_Chunk]  # the chunks of SDPA_MIN_CHUNK or more tokens
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _CpuPlan:
+def _make_plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int | None
+) -> _CpuPlan:
     q_lens = np.asarray(meta.query_lens_cpu, dtype=np.int64)
     s_lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
     batch = np.repeat(np.arange(len(q_lens)), q_lens)
@@ -48,13 +53,23 @@ def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> 
     # token i of request b's chunk sits at position s_b - q_b + i
     key_end = s_lens[batch] - q_lens[batch] + (np.arange(len(batch)) - first_row[batch]) + 1
     rows = np.flatnonzero(q_lens[batch] < SDPA_MIN_CHUNK)
+    key_end = key_end[rows]
     device = meta.block_tables.device
+
+    def ints(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(x.astype(np.int32)).to(device)
+
+    key_begin, max_keys = None, meta.max_seq_len
+    if window is not None:
+        key_begin = np.maximum(key_end - window, 0)
+        max_keys = min(max_keys, window)
     return _CpuPlan(
         torch.from_numpy(rows).to(device),
         torch.from_numpy(batch[rows]).to(device),
-        torch.from_numpy(key_end[rows].astype(np.int32)).to(device),
-        meta.max_seq_len,
-        plan_chunks(meta, block_size, dtype, min_query_len=SDPA_MIN_CHUNK),
+        None if key_begin is None else ints(key_begin),
+        ints(key_end),
+        max_keys,
+        plan_chunks(meta, block_size, dtype, window, min_query_len=SDPA_MIN_CHUNK),
     )
 
 
@@ -66,16 +81,18 @@ def cpu_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kernels: CpuKernels,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention over one mixed varlen batch; the same contract as
     torch_attention.paged_attention, for a float32 cache that already holds this step's K/V.
+    window: the layer's sliding window (None: the whole context).
 
     Returns:
         [T, Hq * D] attention output, rows in token order.
     """
-    plan = meta.backend_state
-    if not isinstance(plan, _CpuPlan):
-        plan = meta.backend_state = _make_plan(meta, kv_cache.shape[2], q.dtype)
+    plan = step_plan(
+        meta, window, _CpuPlan, lambda: _make_plan(meta, kv_cache.shape[2], q.dtype, window)
+    )
     t, hq, d = q.shape
     out = q.new_empty(t, hq, d)
     if plan.rows.numel():
@@ -89,6 +106,7 @@ def cpu_paged_attention(
             plan.key_end,
             plan.max_keys,
             scale,
+            plan.key_begin,
         )
     attend_chunks(q, k, v, kv_cache, plan.chunks, out, scale)
     return out.view(t, hq * d)

@@ -225,6 +225,8 @@ class CpuKernels:
             scale,
             torch.get_num_threads(),
         )
+        if failed & 2:
+            raise ValueError(f"a row's key range is empty, negative or longer than {max_keys}.")
         if failed:
             raise MemoryError("paged_attention could not allocate its work buffers.")
 

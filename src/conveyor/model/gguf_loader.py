@@ -14,6 +14,8 @@
 
 llama.cpp's converter reorders the rows of a `llama` file's q and k weights (pairs of rotary
 dimensions interleaved, GGML's rope layout); they are put back in HF's half-split order here.
+`rope_freqs.weight` (Llama 3.1+ files: the llama3 rope scaling as one factor per frequency,
+which llama.cpp divides each frequency by) becomes the config's `rope_freq_factors`.
 Qwen2/Qwen3 files keep HF's order. A name outside the table passes through unchanged, so the
 loader reports it as an unexpected weight.
 """
@@ -59,6 +61,7 @@ _GLOBAL_NAMES = {
     "output": "lm_head",
 }
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"  # read into the config, not a weight
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,12 +114,6 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
         if len(tensor.shape) == 2:
             types[name] = types.get(name, 0) + 1
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(
-            f"GGUF file {file} has per-frequency rope factors (rope_freqs.weight, as Llama "
-            "3.1+ files do), which conveyor does not apply yet; load the HF checkpoint "
-            "(config.json + safetensors) instead."
-        )
     heads = _field(reader, f"{arch}.attention.head_count")
     hidden = _field(reader, f"{arch}.embedding_length")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -150,10 +147,26 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
             "rope_type": "linear",
             "factor": _field(reader, f"{arch}.rope.scaling.factor"),
         }
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if freqs is not None:
+        config["rope_freq_factors"] = _rope_freq_factors(file, freqs, config["head_dim"])
     window = _field(reader, f"{arch}.attention.sliding_window")
     if window:
         config["sliding_window"] = window
     return config
+
+
+def _rope_freq_factors(file: str | os.PathLike[str], tensor: Any, head_dim: int) -> list[float]:
+    """rope_freqs.weight's factors, one per rotary frequency (head_dim // 2 of them)."""
+    from gguf.quants import dequantize
+
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float64).reshape(-1)
+    if values.size != head_dim // 2 or not np.all(values > 0):
+        raise ValueError(
+            f"GGUF file {file}: rope_freqs.weight has {values.size} values; conveyor needs "
+            f"{head_dim // 2} positive factors (one per frequency of head size {head_dim})."
+        )
+    return values.tolist()
 
 
 def _dtype_name(types: dict[str, int]) -> str:
@@ -190,6 +203,8 @@ def iter_gguf_tensors(
     unpermute = config["gguf_architecture"] == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue
         # dequantize returns float32; copy=True: never alias the read-only memory map.
         values = np.array(dequantize(tensor.data, tensor.tensor_type), np.float32, copy=True)
         match = _LAYER.fullmatch(tensor.name)

@@ -104,8 +104,39 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     raise ValueError(
-        f"Unsupported rope_type {rope_type!r}; supported: default, linear, llama3, yarn."
+        f"Unsupported rope_type {rope_type!r}; supported: default, linear, llama3, yarn "
+        "(dynamic: dynamic_ntk_inv_freq)."
     )
+
+
+def dynamic_ntk_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any], max_position: int
+) -> torch.Tensor:
+    """Dynamic NTK rope: inverse frequencies per position, [max_position, head_dim // 2].
+
+    Semantics (position-wise): the token at position p is rotated with the base that
+    transformers computes for a sequence of max(p + 1, original) tokens,
+    theta * (factor * len / original - (factor - 1)) ** (d / (d - 2)), so positions inside the
+    original context keep the plain rope. transformers recomputes the base from the longest
+    position of each forward pass and its cache keeps keys rotated as they were written; each
+    decode step's token is at that longest position, so generated tokens and every prompt that
+    fits in the original context get exactly transformers' rotations. A prompt longer than
+    that differs in its own tokens: transformers rotates all of them with the base of the
+    whole prompt, which would make a token's rotation depend on how the prompt was chunked
+    (and so on the server's load). vLLM's variant (one base for factor x the context, also
+    inside the original context) is not what transformers computes for short prompts.
+
+    Args:
+        scaling: {"rope_type": "dynamic", "factor", "original_max_position_embeddings"}.
+    """
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    # float32 tensor arithmetic, as transformers computes it from its int64 sequence length.
+    # Its power runs on 0-dim tensors, this vectorised one can round the last bit differently
+    # (~1e-9 in a frequency, far below a float32 angle's own rounding at those positions).
+    lengths = torch.arange(1, max_position + 1, dtype=torch.int64, device="cpu").clamp(min=old_len)
+    base = theta * ((factor * lengths / old_len) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return 1.0 / (base[:, None] ** exponent[None, :])
 
 
 def _yarn_inv_freq(
@@ -164,16 +195,25 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         theta: float,
         scaling: dict[str, Any] | None = None,
+        freq_factors: tuple[float, ...] | None = None,
     ) -> None:
+        """freq_factors: one divisor per frequency (a GGUF file's rope_freqs), or None."""
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}.")
         self.head_dim = head_dim
         self.max_position = max_position
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        if scaling and scaling.get("rope_type") == "dynamic":  # one row per position
+            inv_freq = dynamic_ntk_inv_freq(head_dim, theta, scaling, max_position)
+        else:
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)[None, :]
+        if freq_factors is not None:
+            if len(freq_factors) != head_dim // 2:
+                raise ValueError(f"{len(freq_factors)} rope factors for head size {head_dim}.")
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32, device="cpu")
         # Explicit device: stays real even when the model is built under torch.device("meta").
         pos = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
-        freqs = pos[:, None] * inv_freq[None, :]
+        freqs = pos[:, None] * inv_freq
         scale = rope_attention_factor(scaling)
         cache = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)

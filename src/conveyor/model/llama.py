@@ -5,16 +5,15 @@ Module names mirror transformers' (`model.layers.N.self_attn...`) except two fus
 `PACKED_MODULES` tells the loader how to build them. Residual adds are fused into the
 following RMSNorm, so a layer passes (hidden, residual) along.
 
-Sliding-window attention is not applied: attention always sees the whole context, which
-equals sliding-window attention only while contexts are <= the window. `ModelConfig.
-sliding_window` is the smallest window any layer uses (Mistral's `sliding_window`, Qwen2's
-`use_sliding_window` + `max_window_layers`, or per-layer `layer_types`), and the runner caps
-the context to it, so a longer request is refused instead of answered differently.
+Sliding-window attention: `ModelConfig.layer_windows` gives each layer's window (None: full
+attention), as transformers decides it (Mistral's `sliding_window` on every layer, Qwen2/3's
+`use_sliding_window` from layer `max_window_layers` on, or a per-layer `layer_types` list). A
+layer with window W lets the token at position p see keys p - W + 1 .. p (W keys, itself
+included), which every attention backend applies; requests may run past the window.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -28,104 +27,7 @@ from conveyor.model.attention import (
 )
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers import GatedMLP, RMSNorm, RopeStep, RotaryEmbedding
-
-
-@dataclass(slots=True)
-class ModelConfig:
-    """The fields of an HF config.json our decoders use (built by `from_hf_config`)."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # None = default rope; else has "rope_type"
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    sliding_window: int | None = None  # a layer's window; the context is capped to it
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from a config.json dict (transformers 4 or 5 rope fields).
-
-        transformers 5 writes `rope_parameters` {rope_type, rope_theta, factor, ...};
-        transformers 4 writes `rope_theta` plus an optional `rope_scaling` dict ("type" or
-        "rope_type"). Both are accepted.
-        """
-        archs = hf.get("architectures") or []
-        if not archs:
-            raise ValueError("config.json has no 'architectures' entry.")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Only hidden_act 'silu' is supported, got {hf['hidden_act']!r}.")
-        heads = hf["num_attention_heads"]
-        kv_heads = hf.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ValueError(f"num_attention_heads {heads} is not a multiple of {kv_heads}.")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        if "full_attention" in rope:  # transformers 5 per-layer-type form
-            rope = dict(rope["full_attention"])
-        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
-            raise ValueError(
-                f"Unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn."
-            )
-        scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
-        if rope_type in ("llama3", "yarn"):  # as transformers standardizes them
-            if "original_max_position_embeddings" in hf:
-                scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-            scaling.setdefault(
-                "original_max_position_embeddings", hf.get("max_position_embeddings", 2048)
-            )
-            if scaling.get("factor") is None:
-                scaling["factor"] = (
-                    hf.get("max_position_embeddings", 2048)
-                    / scaling["original_max_position_embeddings"]
-                )
-        return cls(
-            architecture=archs[0],
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=_sliding_window(hf),
-        )
-
-
-def _sliding_window(hf: dict[str, Any]) -> int | None:
-    """The window of the layers that use one, None when every layer attends to everything.
-
-    transformers 5 lists `layer_types` ("sliding_attention" / "full_attention"); older Qwen2/3
-    configs gate the window behind `use_sliding_window`, from layer `max_window_layers` on;
-    Mistral's applies to every layer.
-    """
-    window = hf.get("sliding_window")
-    if not window:
-        return None
-    layer_types = hf.get("layer_types")
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    if "use_sliding_window" in hf:
-        first = hf.get("max_window_layers", 0)
-        return window if hf["use_sliding_window"] and first < hf["num_hidden_layers"] else None
-    return window
+from conveyor.model.model_config import ModelConfig  # also imported from here by callers
 
 
 class LlamaAttention(nn.Module):
@@ -136,8 +38,10 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         backend: AttentionBackend,
+        window: int | None = None,
     ) -> None:
         super().__init__()
+        self.window = window  # sliding window (None: the whole context)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d = config.head_dim
@@ -167,7 +71,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, d))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d))
             q, k = rope(q), rope(k)
-        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -200,11 +104,15 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, make_attn()) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, make_attn(i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            config.rope_freq_factors,
         )
 
 
@@ -229,8 +137,10 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = config.attention_bias or self.force_qkv_bias
         o_bias = config.attention_bias
 
-        def make_attn() -> LlamaAttention:
-            return LlamaAttention(config, qkv_bias, o_bias, self.qk_norm, backend)
+        windows = config.layer_windows or (None,) * config.num_hidden_layers
+
+        def make_attn(i: int) -> LlamaAttention:
+            return LlamaAttention(config, qkv_bias, o_bias, self.qk_norm, backend, windows[i])
 
         self.model = LlamaModel(config, make_attn)
         # Tied: logits reuse the embedding matrix, so there is no lm_head parameter at all.
@@ -273,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same graph as Llama (sliding_window not applied; see module docstring)."""
+    """Same graph as Llama (its sliding window: see the module docstring)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -85,27 +85,12 @@ class ModelRunner:
         resolve_model_class(hf_config)  # an unsupported architecture is named first
         model_config = ModelConfig.from_hf_config(hf_config)
         context = model_config.max_position_embeddings
-        window = model_config.sliding_window
-        self._window_cap: int | None = None
-        if window is not None and window < context:
-            # Full attention equals sliding-window attention only within the window.
-            logger.warning(
-                "This model's layers use sliding-window attention (window %d), which conveyor "
-                "does not apply: contexts are capped to %d tokens (the model's own context is "
-                "%d), so that no answer differs from the model's.",
-                window,
-                window,
-                context,
-            )
-            context = self._window_cap = window
         self.max_model_len = min(config.max_model_len or context, context)
         if config.max_model_len is not None and config.max_model_len > context:
             logger.warning(
-                "max_model_len %d is more than the model's context (%s); capped to %d.",
+                "max_model_len %d is more than the model's context (max_position_embeddings "
+                "in config.json); capped to %d.",
                 config.max_model_len,
-                "its sliding window"
-                if self._window_cap
-                else "max_position_embeddings in config.json",
                 context,
             )
         kv_dtype = config.kv_cache_dtype
@@ -177,16 +162,6 @@ class ModelRunner:
             self.max_model_len,
         )
         self.sampler = FiniteLogitsGuard(Sampler(self.vocab_size, config.seed, self.device))
-
-    @property
-    def context_note(self) -> str:
-        """Said with every "context too long" error when the sliding window set the limit."""
-        if self._window_cap is None or self.max_model_len != self._window_cap:
-            return ""
-        return (
-            " (the model's sliding-window size: conveyor attends to the whole context, which "
-            f"equals sliding-window attention only within {self._window_cap} tokens)"
-        )
 
     def _fit_context_to_cache(self, config: EngineConfig) -> None:
         """As vLLM: the effective max_model_len is the model's context capped by what the KV

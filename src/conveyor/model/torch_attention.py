@@ -2,15 +2,20 @@
 
 Runs one mixed prefill/decode varlen batch (see conveyor.model.attention for the layout) with
 SDPA: decode rows in a few length groups (one gather + one SDPA each), every prefill chunk on
-its own. Index tensors are derived once per step (a _TorchPlan in meta.backend_state) and
-reused by every layer. int8 caches are gathered and dequantised first.
+its own. Index tensors are derived once per step and window (a _TorchPlan in
+meta.backend_state, see step_plan) and reused by every layer. int8 caches are gathered and
+dequantised first.
+
+Sliding window W: the token at position p sees keys p - W + 1 .. p. Decode rows and prefill
+chunks gather only from the first block their window touches and mask the keys before it.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +34,10 @@ class _Chunk:
     end: int  # one past the last token row
     block_ids: torch.Tensor | None  # int64 [nb] when it has cached context, else None
     seq_len: int
-    mask: torch.Tensor | None  # additive [q, seq_len]: 0 where key j <= ctx + i, else -inf;
+    # additive [q, keys]: 0 where new token i (at ctx + i) sees key key_start + j, else -inf;
     # None = plain causal over the new tokens
+    mask: torch.Tensor | None
+    key_start: int = 0  # position of the first gathered key (a block boundary)
 
 
 @dataclass(slots=True)
@@ -39,7 +46,9 @@ class _DecodeGroup:
 
     rows: slice | torch.Tensor  # their token rows (a slice when contiguous)
     block_ids: torch.Tensor  # int64 [n * nb], row-major per request
-    mask: torch.Tensor  # additive [n, 1, 1, nb * block_size]: 0 iff key j < seq_len
+    # additive [n, 1, 1, keys]: 0 iff the column's key < seq_len (and >= seq_len - window);
+    # with a window, row i's columns start at its first block in the window
+    mask: torch.Tensor
     size: int
 
 
@@ -93,6 +102,7 @@ def _decode_group(
     starts: list[int],
     block_size: int,
     dtype: torch.dtype,
+    window: int | None,
 ) -> _DecodeGroup:
     device = meta.block_tables.device
     nb = -(-max(meta.seq_lens_cpu[b] for b in batch_idx) // block_size)
@@ -106,12 +116,46 @@ def _decode_group(
         rows = torch.tensor([starts[b] for b in batch_idx], dtype=torch.int64, device=device)
         tables = meta.block_tables.index_select(0, idx)[:, :nb]
         lens = meta.seq_lens.index_select(0, idx)
-    keys = torch.arange(nb * block_size, device=device)
-    mask = _additive(keys[None, :] < lens[:, None], dtype).view(len(batch_idx), 1, 1, -1)
+    keys = torch.arange(nb * block_size, device=device)[None, :]  # each column's position
+    if window is not None:
+        firsts = [max(0, meta.seq_lens_cpu[b] - window) // block_size for b in batch_idx]
+        if any(firsts):  # gather only the blocks each row's window touches
+            span = max(
+                -(-meta.seq_lens_cpu[b] // block_size) - f
+                for b, f in zip(batch_idx, firsts, strict=True)
+            )
+            first = torch.tensor(firsts, dtype=torch.int64, device=device)[:, None]
+            # Columns past a row's own blocks read some block of it, masked below.
+            cols = (first + torch.arange(span, device=device)).clamp_(max=nb - 1)
+            tables = tables.gather(1, cols)
+            keys = first * block_size + torch.arange(span * block_size, device=device)
+    allowed = keys < lens[:, None]
+    if window is not None:
+        allowed &= keys >= lens[:, None] - window
+    mask = _additive(allowed, dtype).view(len(batch_idx), 1, 1, -1)
     return _DecodeGroup(rows, tables.reshape(-1).long(), mask, len(batch_idx))
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
+_Plan = TypeVar("_Plan")
+
+
+def step_plan(
+    meta: AttentionMetadata, window: int | None, kind: type[_Plan], make: Callable[[], _Plan]
+) -> _Plan:
+    """The step's plan of type `kind` for layers with this window: made by the first such
+    layer, kept in meta.backend_state (a dict by kind and window) for the others."""
+    plans: Any = meta.backend_state
+    if not isinstance(plans, dict):
+        plans = meta.backend_state = {}
+    plan = plans.get((kind, window))
+    if plan is None:
+        plan = plans[(kind, window)] = make()
+    return plan
+
+
+def _make_plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int | None
+) -> _TorchPlan:
     starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
     # A request with one new token is a "decode row" even if it ends a prompt: same maths.
     dec = [b for b, q in enumerate(meta.query_lens_cpu) if q == 1]
@@ -119,16 +163,21 @@ def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> 
     if dec:
         nbs = [-(-meta.seq_lens_cpu[b] // block_size) for b in dec]
         groups = [
-            _decode_group(meta, g, starts, block_size, dtype) for g in _split_by_length(dec, nbs)
+            _decode_group(meta, g, starts, block_size, dtype, window)
+            for g in _split_by_length(dec, nbs)
         ]
-    return _TorchPlan(groups, len(dec), plan_chunks(meta, block_size, dtype))
+    return _TorchPlan(groups, len(dec), plan_chunks(meta, block_size, dtype, window))
 
 
 def plan_chunks(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, min_query_len: int = 2
+    meta: AttentionMetadata,
+    block_size: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+    min_query_len: int = 2,
 ) -> list[_Chunk]:
     """The step's prefill chunks (requests with at least `min_query_len` new tokens, > 1),
-    with their masks."""
+    with their masks (window: the layer's sliding window, None for full attention)."""
     q_lens, s_lens = meta.query_lens_cpu, meta.seq_lens_cpu
     starts = [0, *itertools.accumulate(q_lens)]
     device = meta.block_tables.device
@@ -137,17 +186,22 @@ def plan_chunks(
         if q <= 1 or q < min_query_len:
             continue
         ctx, seq = s_lens[b] - q, s_lens[b]
-        if ctx == 0:  # fresh prompt: attend to the new k/v directly, plain causal
+        windowed = window is not None and seq > window
+        if ctx == 0 and not windowed:  # fresh prompt: the new k/v directly, plain causal
             chunks.append(_Chunk(starts[b], starts[b + 1], None, seq, None))
             continue
-        nb = -(-seq // block_size)
-        ids = meta.block_tables[b, :nb].long()
-        # New token i sits at position ctx + i and sees keys 0 .. ctx + i.
-        allowed = torch.arange(seq, device=device)[None, :] <= (
-            torch.arange(q, device=device)[:, None] + ctx
-        )
+        # New token i sits at position ctx + i and sees keys 0 (or ctx + i - window + 1) ..
+        # ctx + i; cached keys are gathered from the first block any of them sees.
+        first = max(0, ctx - window + 1) // block_size if windowed and ctx else 0
+        key_start = first * block_size
+        ids = None if ctx == 0 else meta.block_tables[b, first : -(-seq // block_size)].long()
+        pos = torch.arange(q, device=device)[:, None] + ctx
+        keys = torch.arange(key_start, seq, device=device)[None, :]
+        allowed = keys <= pos
+        if windowed:
+            allowed &= keys > pos - window
         chunk_mask = _additive(allowed, dtype)
-        chunks.append(_Chunk(starts[b], starts[b + 1], ids, seq, chunk_mask))
+        chunks.append(_Chunk(starts[b], starts[b + 1], ids, seq, chunk_mask, key_start))
     return chunks
 
 
@@ -165,6 +219,7 @@ def paged_attention(
     kv_cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Torch reference paged attention over one mixed prefill/decode varlen batch.
 
@@ -176,12 +231,13 @@ def paged_attention(
         kv_cache: [2, num_blocks, block_size, Hkv, D].
         meta: the step's metadata; its backend_state caches the plan across layers.
         scale: softmax scale (usually head_dim ** -0.5).
+        window: the layer's sliding window (None: the whole context).
     Returns:
         [T, Hq * D] attention output, rows in token order.
     """
-    plan = meta.backend_state
-    if not isinstance(plan, _TorchPlan):
-        plan = meta.backend_state = _make_plan(meta, _block_size(kv_cache), q.dtype)
+    plan = step_plan(
+        meta, window, _TorchPlan, lambda: _make_plan(meta, _block_size(kv_cache), q.dtype, window)
+    )
     t, hq, d = q.shape
     groups = plan.decode_groups
     if plan.num_decodes == t and len(groups) == 1:  # pure decode, one group: its result is all
@@ -210,7 +266,7 @@ def attend_chunks(
             vc = v[c.start : c.end].transpose(0, 1).unsqueeze(0)
         else:
             kc, vc = (
-                x[: c.seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+                x[: c.seq_len - c.key_start].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
                 for x in gather_kv(kv_cache, c.block_ids, q.dtype)
             )
         o = F.scaled_dot_product_attention(

@@ -179,7 +179,8 @@ static void task_generic(const float *qh, float *oh, const float *k, const float
     }
 }
 
-/* Returns 0, or 1 when a work buffer could not be allocated (out is then incomplete). */
+/* Returns 0; 1 when a work buffer could not be allocated, 2 when a row's key range is empty
+ * or longer than max_keys (out is then incomplete). */
 int conveyor_paged_attention_f32(
     const float *q, int64_t q_row_stride,     /* [*, Hq * D]: query row rows[i] */
     float *out, int64_t out_row_stride,       /* written at the same rows */
@@ -207,6 +208,10 @@ int conveyor_paged_attention_f32(
                 if (!ok) continue;
                 const int32_t *table = block_tables + batch[i] * bt_stride;
                 const int lo = key_begin ? key_begin[i] : 0, len = key_end[i] - lo;
+                if (lo < 0 || len < 1 || len > max_keys) {
+                    failed |= 2;
+                    continue;
+                }
                 for (int j = 0; j < len; j++) {
                     const int p = lo + j;
                     slot[j] = (int64_t)table[p / block_size] * block_size + p % block_size;
