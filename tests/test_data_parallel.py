@@ -7,6 +7,7 @@ import os
 import re
 
 import pytest
+from tests.serve_process import metric_value
 
 from conveyor import LLM
 from conveyor.engine.config import EngineConfig
@@ -14,7 +15,6 @@ from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from conveyor.entrypoints.data_parallel import replica_placements
 from conveyor.entrypoints.replica_metrics import DataParallelMetrics
 from conveyor.entrypoints.replica_router import ReplicaRouter
-from tests.serve_process import metric_value
 
 
 def test_requests_go_to_the_replica_with_fewest_outstanding_tokens_ties_to_lowest() -> None:
@@ -75,14 +75,19 @@ def test_cpu_replicas_get_disjoint_contiguous_core_groups(monkeypatch) -> None:
 def test_cuda_replicas_each_see_one_visible_device(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     placements = replica_placements(2, "cuda")
-    assert [p.env for p in placements] == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert [p.env for p in placements] == [
+        {"CUDA_VISIBLE_DEVICES": "3"},
+        {"CUDA_VISIBLE_DEVICES": "5"},
+    ]
     assert all(p.cpu_cores is None for p in placements)
     with pytest.raises(ValueError, match="3 puts each replica on its own GPU, but 2 CUDA"):
         replica_placements(3, "cuda")
 
 
 def _finished(request_id: str, num_tokens: int) -> RequestOutput:
-    completion = CompletionOutput(0, "x" * num_tokens, list(range(num_tokens)), None, None, "length")
+    completion = CompletionOutput(
+        0, "x" * num_tokens, list(range(num_tokens)), None, None, "length"
+    )
     metrics = RequestMetrics(0.0, 0.1, 0.2, 0.3)
     return RequestOutput(request_id, None, [], [completion], True, None, metrics, 0)
 
@@ -115,9 +120,7 @@ def test_metrics_show_each_replica_and_totals_equal_to_their_sum() -> None:
     assert metric_value(text, "conveyor:request_success_total", replica="all", **ok) == 4
     # The pooled KV usage: every replica has as many blocks, so the mean.
     assert metric_value(text, "conveyor:kv_cache_usage_perc", replica="all") == pytest.approx(0.3)
-    assert 'replica="all"' not in "".join(
-        line for line in text.splitlines() if "_created" in line
-    )
+    assert 'replica="all"' not in "".join(line for line in text.splitlines() if "_created" in line)
 
 
 def test_data_parallel_size_must_be_a_positive_integer() -> None:

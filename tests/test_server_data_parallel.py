@@ -51,9 +51,7 @@ def _per_replica(text: str, name: str, **labels: str) -> list[float]:
     return [metric_value(text, name, replica=r, **labels) for r in ("0", "1", "all")]
 
 
-def test_32_requests_spread_over_both_replicas_with_one_engines_greedy_text(
-    server, greedy
-) -> None:
+def test_32_requests_spread_over_both_replicas_with_one_engines_greedy_text(server, greedy) -> None:
     client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
     success = "conveyor:request_success_total"
     before = _per_replica(_metrics(server), success, finished_reason="length")
