@@ -23,6 +23,8 @@ MAX_TOKENS = 8
 
 
 MODEL = "dp"
+STALL_S = 3.0
+LONG = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,7 @@ def server(demo_model_dir, tmp_path_factory):
     """One server for the module (the last test kills one of its replicas)."""
     args = ["--model", str(demo_model_dir), "--served-model-name", MODEL]
     args += ["--data-parallel-size", "2", "--num-kv-blocks", "128"]
+    args += ["--engine-stall-timeout", str(STALL_S)]
     proc = start_server(args, tmp_path_factory.mktemp("serve-dp"))
     yield proc
     proc.stop(signal.SIGKILL)
@@ -81,7 +84,7 @@ def test_32_requests_spread_over_both_replicas_with_one_engines_greedy_text(serv
 
 
 def test_a_disconnect_aborts_the_request_on_the_replica_that_holds_it(server) -> None:
-    body = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    body = LONG
     abort = {"finished_reason": "abort"}
     aborts_before = _per_replica(_metrics(server), "conveyor:request_success_total", **abort)
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as resp:
@@ -112,12 +115,49 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _replica_pids(server) -> dict[int, int]:
+    found = re.findall(r"Data-parallel replica (\d): engine process pid (\d+)", server.log())
+    pids = {int(replica): int(pid) for replica, pid in found}
+    assert sorted(pids) == [0, 1], server.log()
+    return pids
+
+
+def _wait_health(server, status: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{server.base_url}/health", timeout=5).status_code != status:
+        assert time.monotonic() < deadline, f"/health never answered {status}"
+        time.sleep(0.1)
+
+
+def test_a_stopped_replica_is_hung_its_stream_ends_and_health_is_503(server) -> None:
+    pids = _replica_pids(server)
+    url = server.base_url
+    with httpx.stream("POST", f"{url}/v1/completions", json=LONG, timeout=60) as resp:
+        lines = (line for line in resp.iter_lines() if line)
+        assert next(lines).startswith("data: {")
+        running = _per_replica(_metrics(server), "conveyor:num_requests_running")
+        holder = running.index(1)
+        os.kill(pids[holder], signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            rest = list(lines)  # the other replica steps on: only this one is hung
+            waited = time.monotonic() - stopped
+            assert rest[-1] == "data: [DONE]" and "hung" in rest[-2], rest[-2:]
+            assert STALL_S - 0.5 < waited < STALL_S + 5, waited
+            health = httpx.get(f"{url}/health")
+            assert health.status_code == 503 and "hung" in health.json()["error"]["message"]
+        finally:
+            os.kill(pids[holder], signal.SIGCONT)
+    _wait_health(server, 200)  # it steps again (the abort of its request): healthy
+    again = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
+    assert f"(data-parallel replica {holder})" in server.log()
+
+
 # Last in the module: it ends the shared server.
 def test_a_killed_replica_ends_the_server_with_exit_status_1(server) -> None:
     try:
-        found = re.findall(r"Data-parallel replica (\d): engine process pid (\d+)", server.log())
-        pids = {int(replica): int(pid) for replica, pid in found}
-        assert sorted(pids) == [0, 1], server.log()
+        pids = _replica_pids(server)
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
         assert server.proc.wait(timeout=30) == 1
