@@ -15,6 +15,7 @@ from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOut
 from conveyor.entrypoints.data_parallel import replica_placements
 from conveyor.entrypoints.replica_metrics import DataParallelMetrics
 from conveyor.entrypoints.replica_router import ReplicaRouter
+from conveyor.server.config import build_serve_config
 
 
 def test_requests_go_to_the_replica_with_fewest_outstanding_tokens_ties_to_lowest() -> None:
@@ -131,3 +132,9 @@ def test_data_parallel_size_must_be_a_positive_integer() -> None:
 def test_the_offline_llm_refuses_data_parallel_replicas_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"data_parallel_size=2: .*--data-parallel-size"):
         LLM(data_parallel_size=2)
+
+
+def test_serve_refuses_replicas_with_the_engine_in_a_thread() -> None:
+    overrides = {"data_parallel_size": 2, "engine_process": False}
+    with pytest.raises(ValueError, match="drop --no-engine-process"):
+        build_serve_config(None, overrides)

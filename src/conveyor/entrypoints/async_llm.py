@@ -16,7 +16,8 @@ the engine dead (`check_health` raises, `dead` is True). An engine that makes no
 those requests with EngineNotRunningError, and `check_health` raises until it steps again.
 `check_admission` refuses new work (HTTP 503) while more than `max_waiting_requests` sequences
 wait. With `engine_process=True` the same thread runs in a child process (engine_process.py)
-and its reports arrive through a pipe.
+and its reports arrive through a pipe; with `data_parallel_size` N > 1 too, N such processes
+(data_parallel.py) each get their own heartbeat and metrics (labelled `replica`).
 """
 
 from __future__ import annotations
