@@ -105,6 +105,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--tokenizer", metavar="DIR", help="tokenizer folder (default: the model's)")
     add("--dtype", help="auto, float32, float16 or bfloat16")
     add("--device", help="auto, cpu or cuda")
+    add("--data-parallel-size", type=int, metavar="N", help="N engine replicas, each on its own "
+        "GPU or CPU cores; requests go to the least loaded (default 1)")  # fmt: skip
     add("--attention-backend", metavar="NAME", help="auto, cpu, torch or triton")
     add("--linear-backend", metavar="NAME", help="GEMMs: auto, onednn (prepacked) or torch")
     add("--kv-cache-dtype", metavar="DTYPE", help="auto (the model's) or int8 (~2x the blocks)")

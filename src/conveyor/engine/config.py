@@ -48,6 +48,9 @@ class EngineConfig:
     # so about twice the blocks for the same kv_cache_space_gb.
     kv_cache_dtype: str = "auto"
     device: str = "auto"
+    # Whole engine replicas behind one server (`conveyor serve`), each on its own GPU or CPU
+    # cores (entrypoints/data_parallel.py); one LLMEngine is always a single replica.
+    data_parallel_size: int = 1
     seed: int = 0
     # Scheduling policy knobs (see core/policies.py). Times are seconds of the engine clock.
     # sjf, preemptive-sjf, length-aware: a request that has waited this long since arrival is
@@ -91,6 +94,7 @@ class EngineConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("device", self.device, DEVICES)
+        check_positive_int("data_parallel_size", self.data_parallel_size)
         check_int("seed", self.seed)
         check_number(
             "aging_bound_s", self.aging_bound_s, "> 0 (inf turns aging off)", lambda v: v > 0

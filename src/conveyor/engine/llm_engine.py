@@ -40,6 +40,12 @@ class LLMEngine:
     """The synchronous engine under `LLM` and `AsyncLLM`."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size={config.data_parallel_size}: one engine (LLM, LLMEngine, "
+                "AsyncLLM without engine_process) is a single replica; serve replicas with "
+                "`conveyor serve --data-parallel-size N`, or set data_parallel_size=1."
+            )
         self.config = config
         # The file checks first: a wrong folder is named before any weight is read.
         check_checkpoint(config.model, config.tokenizer)

@@ -16,7 +16,8 @@ the engine dead (`check_health` raises, `dead` is True). An engine that makes no
 those requests with EngineNotRunningError, and `check_health` raises until it steps again.
 `check_admission` refuses new work (HTTP 503) while more than `max_waiting_requests` sequences
 wait. With `engine_process=True` the same thread runs in a child process (engine_process.py)
-and its reports arrive through a pipe.
+and its reports arrive through a pipe; with `data_parallel_size` N > 1 too, N such processes
+(data_parallel.py) each get their own heartbeat and metrics (labelled `replica`).
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.tokenizer import Tokenizer
+from conveyor.entrypoints.data_parallel import DataParallelClient
 from conveyor.entrypoints.engine_client import EngineClient, StepStats
 from conveyor.entrypoints.engine_process import EngineProcess
 from conveyor.entrypoints.engine_thread import EngineThread
 from conveyor.entrypoints.heartbeat import Heartbeat
 from conveyor.entrypoints.metrics import EngineMetrics
+from conveyor.entrypoints.replica_metrics import DataParallelMetrics
 from conveyor.entrypoints.request_stream import (
     EngineNotRunningError,
     EngineOverloadedError,
@@ -116,8 +119,11 @@ class AsyncLLM:
             config = EngineConfig(model=model, **kwargs)
         elif model is not None or kwargs:
             raise ValueError("Give either config or model and EngineConfig fields, not both.")
+        num_replicas = config.data_parallel_size
         callbacks = {
-            "emit": lambda outputs, stats: self._post(self._on_step, outputs, stats),
+            "emit": lambda outputs, stats, replica=0: self._post(
+                self._on_step, outputs, stats, replica
+            ),
             "reject": lambda request_id, exc: self._post(self._reject, request_id, exc),
             "on_dead": self._on_dead,
         }
@@ -132,7 +138,10 @@ class AsyncLLM:
             pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
             try:
                 pending = pool.submit(Tokenizer.from_pretrained, folder) if folder else None
-                process = EngineProcess(config, **callbacks)
+                if num_replicas > 1:
+                    process = DataParallelClient(config, wake=self._wake, **callbacks)
+                else:
+                    process = EngineProcess(config, **callbacks)
                 self._core = process
                 self.model_path = process.info.model_path
                 self.limits = process.info.limits
@@ -151,9 +160,16 @@ class AsyncLLM:
         self.vocab_size = self.limits.vocab_size
         self.served_model_names = served_model_names(served_model_name, config.model)
         self.model_name = self.served_model_names[0]
-        self.metrics = EngineMetrics(self.model_name, log_stats_interval_s)
-        if max_waiting_requests is None:  # the engine resolved num_kv_blocks
-            max_waiting_requests = max(config.num_kv_blocks or 1, config.max_num_seqs)
+        self.metrics: EngineMetrics | DataParallelMetrics
+        if num_replicas > 1:
+            self.metrics = DataParallelMetrics(self.model_name, log_stats_interval_s, num_replicas)
+            self._replica_metrics = self.metrics.replicas
+        else:
+            self.metrics = EngineMetrics(self.model_name, log_stats_interval_s)
+            self._replica_metrics = [self.metrics]
+        if max_waiting_requests is None:  # the engine resolved num_kv_blocks (per replica)
+            per_replica = max(config.num_kv_blocks or 1, config.max_num_seqs)
+            max_waiting_requests = per_replica * num_replicas
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}.")
         self.max_waiting_requests = max_waiting_requests
@@ -162,7 +178,9 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._stopping = False
         self._ids = itertools.count()
-        self._heartbeat = Heartbeat(engine_stall_timeout_s)
+        # One per replica: a replica that stops stepping is hung even while others step.
+        self._heartbeats = [Heartbeat(engine_stall_timeout_s) for _ in range(num_replicas)]
+        self._heartbeat = self._heartbeats[0]
         self._watchdog: asyncio.Task[None] | None = None
 
     @classmethod
@@ -195,8 +213,9 @@ class AsyncLLM:
             raise EngineNotRunningError(f"The engine failed and stopped: {self._dead!r}")
         if self._stopping:
             raise EngineNotRunningError("The server is shutting down.")
-        if self._heartbeat.hung is not None:
-            raise EngineNotRunningError(self._heartbeat.hung)
+        hung = self._hung
+        if hung is not None:
+            raise EngineNotRunningError(hung)
         if self._core.started and not self._core.alive:
             raise EngineNotRunningError("The engine loop has stopped.")
 
@@ -213,7 +232,7 @@ class AsyncLLM:
             self._watchdog.cancel()
         # The thread emits the aborts before it ends; they reach the loop before this await.
         # A hung engine gets a moment only: it would not answer.
-        timeout = 2.0 if self._heartbeat.hung is not None else 60.0
+        timeout = 2.0 if self._hung is not None else 60.0
         stop = functools.partial(self._core.stop, _SHUTDOWN_REASON, timeout)
         await asyncio.get_running_loop().run_in_executor(None, stop)
         await asyncio.sleep(0)
@@ -290,7 +309,8 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         if not self._streams:  # work arrives at an idle engine: its silence counts from now
-            self._heartbeat.beat(time.monotonic())
+            for heartbeat in self._heartbeats:
+                heartbeat.beat(time.monotonic())
         if isinstance(prompt, str):
             ids = list(prompt_token_ids or self.tokenizer.encode(prompt))
         else:
@@ -335,49 +355,72 @@ class AsyncLLM:
         if stream is not None:
             stream.queue.put_nowait(exc)
 
-    def _on_step(self, outputs: list[RequestOutput], stats: StepStats) -> None:
-        """Hand one step's deltas to their streams and account them."""
+    def _wake(self, replica: int) -> None:
+        """A request went to an idle replica: its silence counts from now (on the loop)."""
+        self._heartbeats[replica].beat(time.monotonic())
+
+    @property
+    def _hung(self) -> str | None:
+        """Why the engine (a replica of it) counts as hung, or None."""
+        return next((hb.hung for hb in self._heartbeats if hb.hung is not None), None)
+
+    def _on_step(self, outputs: list[RequestOutput], stats: StepStats, replica: int = 0) -> None:
+        """Hand one step's deltas (of replica `replica`) to their streams and account them."""
         now = time.monotonic()
-        if self._heartbeat.hung is not None:
+        heartbeat, metrics = self._heartbeats[replica], self._replica_metrics[replica]
+        if heartbeat.hung is not None:
             logger.warning("The engine steps again: it is healthy.")
-        self._heartbeat.beat(now)
+        heartbeat.beat(now)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             out.prompt, out.prompt_token_ids = stream.prompt, stream.prompt_token_ids
-            stream.last_token_time = self.metrics.record_output(
+            stream.last_token_time = metrics.record_output(
                 out, len(stream.prompt_token_ids), stream.last_token_time, now
             )
             if out.finished:
                 del self._streams[out.request_id]
             if not stream.abandoned:
                 stream.queue.put_nowait(out)
-        self.metrics.record_step(
+        metrics.record_step(
             stats.num_tokens, stats.num_running, stats.num_waiting, stats.kv_usage,
             stats.num_preemptions, stats.step_time_s,
             stats.prefix_cache_queries, stats.prefix_cache_hits,
         )  # fmt: skip
-        self.metrics.maybe_log(now)
+        metrics.maybe_log(now)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.queue.put_nowait(exc)
 
+    def _in_flight(self, replica: int) -> list[str]:
+        """The unfinished requests that replica `replica` holds."""
+        if len(self._heartbeats) == 1:
+            return list(self._streams)
+        replica_of = self._core.router.replica_of  # type: ignore[attr-defined]
+        return [rid for rid in self._streams if replica_of(rid) == replica]
+
     async def _watch(self) -> None:
-        """The watchdog: end the in-flight requests of a hung engine (see heartbeat.py)."""
-        heartbeat = self._heartbeat
+        """The watchdog: end the in-flight requests of a hung engine (see heartbeat.py); with
+        replicas, those of the hung replica."""
         while True:
-            await asyncio.sleep(heartbeat.poll_interval_s)
-            if not heartbeat.check(time.monotonic(), len(self._streams)):
-                continue
-            logger.error(
-                "%s Ending its in-flight requests with an error; /health answers 503 until it "
-                "steps again.",
-                heartbeat.hung,
-            )
-            ids = list(self._streams)
-            self._fail_all(EngineNotRunningError(heartbeat.hung))
-            for request_id in ids:  # if it ever resumes, it frees their blocks
-                self._core.abort(request_id)
+            await asyncio.sleep(self._heartbeat.poll_interval_s)
+            for replica, heartbeat in enumerate(self._heartbeats):
+                ids = self._in_flight(replica)
+                if not heartbeat.check(time.monotonic(), len(ids)):
+                    continue
+                where = f" (data-parallel replica {replica})" if len(self._heartbeats) > 1 else ""
+                logger.error(
+                    "%s%s Ending its in-flight requests with an error; /health answers 503 "
+                    "until it steps again.",
+                    heartbeat.hung,
+                    where,
+                )
+                error = EngineNotRunningError(heartbeat.hung)
+                for request_id in ids:
+                    stream = self._streams.pop(request_id)
+                    stream.queue.put_nowait(error)
+                for request_id in ids:  # if it ever resumes, it frees their blocks
+                    self._core.abort(request_id)

@@ -4,7 +4,9 @@ Two transports implement it: EngineThread (a thread of this process steps the en
 EngineProcess (a child process does, behind two pipes). Both call the same three callbacks,
 from a thread of their own: `emit(outputs, stats)` after every step and applied batch of
 aborts, `reject(request_id, error)` for an add the engine refused, `on_dead(error)` once if it
-stops for good. AsyncLLM hands each to its event loop.
+stops for good. AsyncLLM hands each to its event loop. A third, DataParallelClient
+(data_parallel.py), drives N EngineProcess replicas and adds the replica's index:
+`emit(outputs, stats, replica)`.
 """
 
 from __future__ import annotations

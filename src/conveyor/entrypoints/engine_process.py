@@ -65,6 +65,10 @@ class EngineProcess:
             what the engine resolved, as LLMEngine does).
         emit, reject, on_dead: as for EngineThread; called in this process's reader thread.
         startup_timeout_s: how long building the engine may take.
+        env: extra environment variables for the child (a data-parallel replica's
+            CUDA_VISIBLE_DEVICES).
+        cpu_cores: pin the child to these CPU cores, with as many torch threads (None: not
+            pinned, torch's default threads).
     Raises:
         ValueError: the engine rejected the config or the checkpoint (the child's error).
         EngineProcessError: the child died or timed out while starting.
@@ -77,6 +81,8 @@ class EngineProcess:
         reject: Callable[[str, ValueError], None],
         on_dead: Callable[[BaseException], None],
         startup_timeout_s: float = 900.0,
+        env: dict[str, str] | None = None,
+        cpu_cores: tuple[int, ...] | None = None,
     ) -> None:
         self._emit, self._reject, self._on_dead = emit, reject, on_dead
         # A fresh interpreter, not multiprocessing's spawn: that re-imports the caller's
@@ -86,6 +92,7 @@ class EngineProcess:
         self._process = subprocess.Popen(
             [sys.executable, "-c", _CHILD_MAIN, str(command_fd), str(outbox_fd)],
             pass_fds=(command_fd, outbox_fd),
+            env={**os.environ, **env} if env else None,
         )
         # Operators (and tests) need the engine's pid to watch it: it is not the server's.
         logger.info("Engine process started (pid %d)", self._process.pid)
@@ -93,7 +100,8 @@ class EngineProcess:
         os.close(outbox_fd)
         self._commands = Connection(self_commands_fd, readable=False)
         self._outbox = Connection(self_outbox_fd, writable=False)
-        self._commands.send((config, logging.getLogger("conveyor").getEffectiveLevel()))
+        level = logging.getLogger("conveyor").getEffectiveLevel()
+        self._commands.send((config, level, cpu_cores))
         # Commands go out through a writer thread: a pipe the engine does not read (it is
         # stopped or hung) fills up, and a blocked send must not block the event loop.
         self._outgoing: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -245,9 +253,14 @@ def main(argv: list[str]) -> None:
     commands = Connection(int(argv[0]), writable=False)
     outbox = Connection(int(argv[1]), readable=False)
     try:
-        config, log_level = commands.recv()
+        config, log_level, cpu_cores = commands.recv()
     except EOFError:
         return
+    if cpu_cores:  # before the first torch op starts its thread pool
+        import torch
+
+        os.sched_setaffinity(0, cpu_cores)
+        torch.set_num_threads(len(cpu_cores))
     logging.basicConfig(
         level=log_level,
         format="%(levelname)s %(asctime)s %(name)s [engine]: %(message)s",

@@ -51,18 +51,26 @@ class EngineMetrics:
         model_name: str,
         log_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        replica: int | None = None,
     ) -> None:
         """Args:
         model_name: the `model_name` label value (the served model name).
+        replica: a data-parallel replica's index: every series also gets a `replica` label
+            (vLLM's `engine` label), and the log line names it. None: no such label.
         log_interval_s: seconds between stats log lines while busy; <= 0 disables them.
         clock: where the first interval's start comes from; `maybe_log`'s `now` must come
             from the same clock (tests pass a fake one).
         """
         self.registry = CollectorRegistry()
         reg, name = self.registry, ["model_name"]
+        self._label_values = [model_name]
+        if replica is not None:
+            name.append("replica")
+            self._label_values.append(str(replica))
+        self._log_prefix = "" if replica is None else f"Replica {replica}: "
 
         def labeled(metric: Gauge | Counter | Histogram) -> Gauge | Counter | Histogram:
-            return metric.labels(model_name)
+            return metric.labels(*self._label_values)
 
         self.running = labeled(
             Gauge(MetricName.NUM_REQUESTS_RUNNING, "Requests in the batch.", name, registry=reg)
@@ -105,7 +113,6 @@ class EngineMetrics:
             [*name, "finished_reason"],
             registry=reg,
         )
-        self._model_name = model_name
         self.ttft = labeled(
             Histogram(
                 "conveyor:time_to_first_token_seconds",
@@ -234,7 +241,7 @@ class EngineMetrics:
         if out.finished:
             self.e2e.observe(now - arrival)
             for c in out.outputs:
-                self._success.labels(self._model_name, c.finish_reason or "abort").inc()
+                self._success.labels(*self._label_values, c.finish_reason or "abort").inc()
         return last_token_time
 
     def maybe_log(self, now: float) -> None:
@@ -257,9 +264,10 @@ class EngineMetrics:
         # Requests queued but no step ran: a stalled engine, shown as 0 tokens/s.
         rate = 1 / busy if busy > 0 else 0.0
         logger.info(
-            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "%sAvg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
             "Prefix cache hit rate: %.1f%%, Engine busy: %.2f s of %.1f s",
+            self._log_prefix,
             prompt * rate,
             generation * rate,
             running,

@@ -3,7 +3,8 @@
 Every message is a tuple whose first item names it (the first command excepted).
 
 Commands, server to engine (the command pipe):
-    (config, log_level)                 the first: the EngineConfig and the logging level
+    (config, log_level, cpu_cores)      the first: the EngineConfig, the logging level and
+                                        the cores to pin the engine to (None: not pinned)
     ("add", request_id, prompt, prompt_ids, params, arrival_time)
                                         prompt is the ids too: the text stays in the server
     ("abort", request_id)

@@ -159,5 +159,10 @@ def build_serve_config(
     if unknown:
         raise ValueError(f"unknown setting(s): {', '.join(unknown)}.")
     engine_config, server_config = EngineConfig(**engine_values), ServerConfig(**server_values)
+    if engine_config.data_parallel_size > 1 and not server_config.engine_process:
+        raise ValueError(
+            f"data_parallel_size={engine_config.data_parallel_size} runs each replica in its "
+            "own engine process; drop --no-engine-process (engine_process: false)."
+        )
     check_checkpoint(engine_config.model, engine_config.tokenizer)
     return engine_config, server_config

@@ -1,0 +1,172 @@
+"""A real `conveyor serve --data-parallel-size 2` (two engine processes, one core each) driven
+by the official `openai` SDK: requests spread over both replicas with the same greedy text as
+one engine, a disconnect aborts on the replica that holds the request, and a killed replica
+ends the server with exit status 1 (issue 17, part 3)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from tests.serve_process import metric_value, start_server
+
+from conveyor import LLM, SamplingParams
+
+PROMPTS = [f"Request {i}: the quick brown fox {'jumps ' * (i % 5)}" for i in range(32)]
+MAX_TOKENS = 8
+
+
+MODEL = "dp"
+STALL_S = 3.0
+LONG = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir, tmp_path_factory):
+    """One server for the module (the last test kills one of its replicas)."""
+    args = ["--model", str(demo_model_dir), "--served-model-name", MODEL]
+    args += ["--data-parallel-size", "2", "--num-kv-blocks", "128"]
+    args += ["--engine-stall-timeout", str(STALL_S)]
+    proc = start_server(args, tmp_path_factory.mktemp("serve-dp"))
+    yield proc
+    proc.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def greedy(demo_model_dir) -> list[str]:
+    """What one engine (LLM.generate) makes of PROMPTS, greedy."""
+    llm = LLM(str(demo_model_dir), num_kv_blocks=128)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _metrics(server) -> str:
+    return httpx.get(f"{server.base_url}/metrics").text
+
+
+def _per_replica(text: str, name: str, **labels: str) -> list[float]:
+    return [metric_value(text, name, replica=r, **labels) for r in ("0", "1", "all")]
+
+
+def test_32_requests_spread_over_both_replicas_with_one_engines_greedy_text(server, greedy) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    success = "conveyor:request_success_total"
+    before = _per_replica(_metrics(server), success, finished_reason="length")
+
+    async def one(prompt: str) -> str:
+        resp = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert resp.choices[0].finish_reason == "length"
+        return resp.choices[0].text
+
+    async def all_of_them() -> list[str]:
+        async with client:
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    assert asyncio.run(all_of_them()) == greedy
+    text = _metrics(server)
+    after = _per_replica(text, success, finished_reason="length")
+    done = [a - b for a, b in zip(after, before, strict=True)]
+    # Equal requests sent at once alternate between the two (equal outstanding tokens).
+    assert done[0] >= 8 and done[1] >= 8, done
+    assert done[0] + done[1] == done[2] == 32
+    tokens = _per_replica(text, "conveyor:generation_tokens_total")
+    assert tokens[0] > 0 and tokens[1] > 0 and tokens[0] + tokens[1] == tokens[2]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_a_disconnect_aborts_the_request_on_the_replica_that_holds_it(server) -> None:
+    body = LONG
+    abort = {"finished_reason": "abort"}
+    aborts_before = _per_replica(_metrics(server), "conveyor:request_success_total", **abort)
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as resp:
+        lines = (line for line in resp.iter_lines() if line)
+        assert next(lines).startswith("data: {")
+        running = _per_replica(_metrics(server), "conveyor:num_requests_running")
+    assert running[2] == 1 and sorted(running[:2]) == [0, 1], running
+    holder = running.index(1)
+    deadline = time.monotonic() + 20
+    while True:  # the stream closed: the server aborts the request on its replica
+        text = _metrics(server)
+        aborts = _per_replica(text, "conveyor:request_success_total", **abort)
+        if aborts[2] > aborts_before[2]:
+            break
+        assert time.monotonic() < deadline, "the abort never reached an engine"
+        time.sleep(0.1)
+    assert aborts[holder] == aborts_before[holder] + 1
+    assert aborts[1 - holder] == aborts_before[1 - holder]
+    assert _per_replica(text, "conveyor:num_requests_running") == [0, 0, 0]
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _replica_pids(server) -> dict[int, int]:
+    found = re.findall(r"Data-parallel replica (\d): engine process pid (\d+)", server.log())
+    pids = {int(replica): int(pid) for replica, pid in found}
+    assert sorted(pids) == [0, 1], server.log()
+    return pids
+
+
+def _wait_health(server, status: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{server.base_url}/health", timeout=5).status_code != status:
+        assert time.monotonic() < deadline, f"/health never answered {status}"
+        time.sleep(0.1)
+
+
+def test_a_stopped_replica_is_hung_its_stream_ends_and_health_is_503(server) -> None:
+    pids = _replica_pids(server)
+    url = server.base_url
+    with httpx.stream("POST", f"{url}/v1/completions", json=LONG, timeout=60) as resp:
+        lines = (line for line in resp.iter_lines() if line)
+        assert next(lines).startswith("data: {")
+        running = _per_replica(_metrics(server), "conveyor:num_requests_running")
+        holder = running.index(1)
+        os.kill(pids[holder], signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            rest = list(lines)  # the other replica steps on: only this one is hung
+            waited = time.monotonic() - stopped
+            assert rest[-1] == "data: [DONE]" and "hung" in rest[-2], rest[-2:]
+            assert STALL_S - 0.5 < waited < STALL_S + 5, waited
+            health = httpx.get(f"{url}/health")
+            assert health.status_code == 503 and "hung" in health.json()["error"]["message"]
+        finally:
+            os.kill(pids[holder], signal.SIGCONT)
+    _wait_health(server, 200)  # it steps again (the abort of its request): healthy
+    again = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
+    assert f"(data-parallel replica {holder})" in server.log()
+
+
+# Last in the module: it ends the shared server.
+def test_a_killed_replica_ends_the_server_with_exit_status_1(server) -> None:
+    try:
+        pids = _replica_pids(server)
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        assert server.proc.wait(timeout=30) == 1
+        assert time.monotonic() - killed < 15
+        # The surviving replica was stopped too: no orphan engine is left behind.
+        deadline = time.monotonic() + 10
+        while _running(pids[0]):
+            assert time.monotonic() < deadline, "replica 0 outlived the server"
+            time.sleep(0.1)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert "The engine died; stopping the server with exit status 1" in server.log()
