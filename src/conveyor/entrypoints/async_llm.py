@@ -27,24 +27,19 @@ import contextlib
 import functools
 import itertools
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from conveyor.core.limits import PromptError
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.tokenizer import Tokenizer
-from conveyor.entrypoints.data_parallel import DataParallelClient
 from conveyor.entrypoints.engine_client import EngineClient, StepStats
-from conveyor.entrypoints.engine_process import EngineProcess
-from conveyor.entrypoints.engine_thread import EngineThread
+from conveyor.entrypoints.engine_start import start_engine
 from conveyor.entrypoints.heartbeat import Heartbeat
 from conveyor.entrypoints.metrics import EngineMetrics
+from conveyor.entrypoints.model_names import served_model_names
 from conveyor.entrypoints.replica_metrics import DataParallelMetrics
 from conveyor.entrypoints.request_stream import (
     EngineNotRunningError,
@@ -64,23 +59,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEMO_MODEL_NAME = "conveyor-demo"
 _SHUTDOWN_REASON = "server shutting down: the request did not finish within the grace period"
-
-
-def served_model_names(served: str | Sequence[str] | None, model: str | None) -> list[str]:
-    """The names a server answers to: `served` (one or a list), else the checkpoint folder's
-    last path component (a GGUF file's name without .gguf), else the demo's name."""
-    if isinstance(served, str):
-        return [served]
-    if served:
-        return list(dict.fromkeys(served))
-    if model is None:
-        return [DEMO_MODEL_NAME]
-    # abspath, not resolve: "." and ".." name their folder, a symlink keeps its own name.
-    name = Path(os.path.abspath(model)).name or str(model)
-    # A GGUF file is named by its stem: "SmolLM2-135M-Instruct.Q4_1.gguf" -> "...Q4_1".
-    return [name[: -len(".gguf")] if name.lower().endswith(".gguf") else name]
 
 
 class AsyncLLM:
@@ -127,35 +106,11 @@ class AsyncLLM:
             "reject": lambda request_id, exc: self._post(self._reject, request_id, exc),
             "on_dead": self._on_dead,
         }
-        self._core: EngineClient
-        self.engine: LLMEngine | None
-        if engine_process:
-            self.engine = None
-            # The tokenizer loads here while the engine process loads the weights (building
-            # one from a GGUF file's vocabulary takes seconds).
-            # A failed start is reported at once, not after the tokenizer (wait=False).
-            folder = config.tokenizer or config.model
-            pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-            try:
-                pending = pool.submit(Tokenizer.from_pretrained, folder) if folder else None
-                if num_replicas > 1:
-                    process = DataParallelClient(config, wake=self._wake, **callbacks)
-                else:
-                    process = EngineProcess(config, **callbacks)
-                self._core = process
-                self.model_path = process.info.model_path
-                self.limits = process.info.limits
-                self.tokenizer = (
-                    pending.result() if pending else Tokenizer.from_pretrained(self.model_path)
-                )
-            finally:
-                pool.shutdown(wait=False)
-        else:
-            self.engine = LLMEngine(config)
-            self._core = EngineThread(self.engine, **callbacks)
-            self.model_path = self.engine.model_path
-            self.limits = self.engine.limits
-            self.tokenizer = self.engine.tokenizer
+        started = start_engine(config, engine_process, callbacks, self._wake)
+        self._core: EngineClient = started.core
+        self.engine: LLMEngine | None = started.engine
+        self.model_path, self.limits = started.model_path, started.limits
+        self.tokenizer = started.tokenizer
         self.max_model_len = self.limits.max_model_len
         self.vocab_size = self.limits.vocab_size
         self.served_model_names = served_model_names(served_model_name, config.model)

@@ -1,0 +1,68 @@
+"""Starting the engine an AsyncLLM drives: in a thread of this process, in a child process, or
+as N data-parallel replica processes, and what the server learns from it at start.
+
+    engine_process=False          LLMEngine here, stepped by an EngineThread
+    engine_process=True           EngineProcess (a child process; engine_process.py)
+      and data_parallel_size N>1  DataParallelClient (N child processes; data_parallel.py)
+
+With a child process the tokenizer loads here while the child loads the weights (building one
+from a GGUF file's vocabulary takes seconds); a failed start is reported at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.core.limits import PromptLimits
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.tokenizer import Tokenizer
+from conveyor.entrypoints.data_parallel import DataParallelClient
+from conveyor.entrypoints.engine_client import EngineClient
+from conveyor.entrypoints.engine_process import EngineProcess
+from conveyor.entrypoints.engine_thread import EngineThread
+
+
+@dataclass(slots=True)
+class StartedEngine:
+    core: EngineClient  # what AsyncLLM adds to, aborts and stops
+    engine: LLMEngine | None  # the in-process engine, None when it runs in child processes
+    model_path: str
+    limits: PromptLimits
+    tokenizer: Tokenizer
+
+
+def start_engine(
+    config: EngineConfig,
+    engine_process: bool,
+    callbacks: dict[str, Callable[..., Any]],
+    wake: Callable[[int], None],
+) -> StartedEngine:
+    """Build the engine client for `config` (its thread or processes start later, with
+    `core.start()`).
+
+    Args:
+        callbacks: "emit", "reject" and "on_dead", as EngineClient implementations take them.
+        wake: called with a replica's index when a request reaches an idle replica.
+    """
+    if not engine_process:
+        engine = LLMEngine(config)
+        core = EngineThread(engine, **callbacks)
+        return StartedEngine(core, engine, engine.model_path, engine.limits, engine.tokenizer)
+    folder = config.tokenizer or config.model
+    pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    try:
+        pending = pool.submit(Tokenizer.from_pretrained, folder) if folder else None
+        process: EngineClient
+        if config.data_parallel_size > 1:
+            process = DataParallelClient(config, wake=wake, **callbacks)
+        else:
+            process = EngineProcess(config, **callbacks)
+        info = process.info  # type: ignore[attr-defined]
+        tokenizer = pending.result() if pending else Tokenizer.from_pretrained(info.model_path)
+        return StartedEngine(process, None, info.model_path, info.limits, tokenizer)
+    finally:
+        pool.shutdown(wait=False)
