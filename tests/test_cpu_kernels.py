@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.paged_blocks import shuffled_block_tables
 
 from conveyor.model import cpu_attention, cpu_kernels
 from conveyor.model.attention import CpuAttentionBackend, build_attention_metadata
@@ -41,14 +42,8 @@ def _batch(shapes, hq, hkv, d, bs, seed, dtype=torch.float32, quant=False):
     shapes: (new tokens, context after this step) per request.
     """
     gen = torch.Generator().manual_seed(seed)
-    counts = [-(-s // bs) for _, s in shapes]
-    ids = list(range(1, sum(counts) + 1))
-    random.Random(seed).shuffle(ids)
-    tables, start = [], 0
-    for n in counts:
-        tables.append(ids[start : start + n])
-        start += n
-    shape = (2, sum(counts) + 1, bs, hkv, d)
+    tables = shuffled_block_tables([s for _, s in shapes], bs, seed)
+    shape = (2, sum(map(len, tables)) + 1, bs, hkv, d)
     cache = (
         QuantizedKVCache(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:4]))
         if quant

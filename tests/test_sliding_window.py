@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from tests.hf_checkpoints import greedy_reference, write_checkpoint
+from tests.paged_blocks import shuffled_block_tables
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.attention import CpuAttentionBackend, build_attention_metadata
@@ -33,14 +34,8 @@ def _batch(shapes, hq, hkv, d, bs, seed):
     """A paged cache (shuffled blocks) holding each request's whole context, this step's q,
     and the dense per-request K/V. shapes: (new tokens, context after this step)."""
     gen = torch.Generator().manual_seed(seed)
-    counts = [-(-s // bs) for _, s in shapes]
-    ids = list(range(1, sum(counts) + 1))
-    random.Random(seed).shuffle(ids)
-    tables, start = [], 0
-    for n in counts:
-        tables.append(ids[start : start + n])
-        start += n
-    cache = torch.zeros(2, sum(counts) + 1, bs, hkv, d)
+    tables = shuffled_block_tables([s for _, s in shapes], bs, seed)
+    cache = torch.zeros(2, sum(map(len, tables)) + 1, bs, hkv, d)
     seqs = [s for _, s in shapes]
     kv = [torch.randn(2, s, hkv, d, generator=gen) for s in seqs]
     everything = build_attention_metadata(seqs, seqs, tables, bs)
