@@ -48,6 +48,8 @@ class EngineConfig:
     # so about twice the blocks for the same kv_cache_space_gb.
     kv_cache_dtype: str = "auto"
     device: str = "auto"
+    # Ranks the model is split over (conveyor/parallel/): one worker process per rank > 0.
+    tensor_parallel_size: int = 1
     seed: int = 0
     # Scheduling policy knobs (see core/policies.py). Times are seconds of the engine clock.
     # sjf, preemptive-sjf, length-aware: a request that has waited this long since arrival is
@@ -61,7 +63,12 @@ class EngineConfig:
     preemption_cooldown_s: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "tensor_parallel_size",
+        ):
             check_positive_int(name, getattr(self, name))
         check_choice("block_size", self.block_size, (8, 16, 32, 64, 128))
         if self.num_kv_blocks is not None:
