@@ -1,5 +1,6 @@
 """Tensor parallelism's failures and shutdown, with real processes: a worker killed with
-SIGKILL ends the engine (offline: the next step raises; served: the server exits non-zero
+SIGKILL ends the engine (offline, with the worker started by hand as on another machine: the
+next step raises; served, with the worker conveyor started: the server exits non-zero
 within a bounded time, leaving no engine process behind), and a served model with
 --tensor-parallel-size 2 answers through the openai SDK. (That a clean shutdown stops the
 workers is checked in test_tensor_parallel.py.)"""
@@ -10,12 +11,13 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import openai
 import pytest
 import torch.distributed as dist
-from tests.serve_process import ServeProcess
+from tests.serve_process import ServeProcess, free_port
 
 from conveyor import LLM, SamplingParams
 from conveyor.parallel.group import TensorParallelError
@@ -43,21 +45,34 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
     return False
 
 
-def test_a_killed_worker_fails_the_next_step_at_once(demo_model_dir):
-    llm = LLM(str(demo_model_dir), tensor_parallel_size=2, num_kv_blocks=16)
-    (worker,) = llm.llm_engine.runner.tp_workers.procs
-    params = SamplingParams(max_tokens=2)
-    assert llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
-    worker.send_signal(signal.SIGKILL)
-    worker.wait()
-    start = time.monotonic()
-    with pytest.raises(TensorParallelError, match="rank 1"):
-        for _ in range(50):  # the watchdog sees the exit within moments
+def test_a_worker_started_by_hand_joins_and_its_death_fails_the_next_step(
+    demo_model_dir, monkeypatch
+):
+    # As on a second machine: rank 0 starts no worker (CONVEYOR_TP_LOCAL_SIZE=1); rank 1 is
+    # `python -m conveyor.parallel.worker` with the rendezvous in its environment.
+    port = free_port()
+    monkeypatch.setenv("CONVEYOR_TP_LOCAL_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    worker = subprocess.Popen([sys.executable, "-m", "conveyor.parallel.worker"], env=env)
+    try:
+        llm = LLM(str(demo_model_dir), tensor_parallel_size=2, num_kv_blocks=16)
+        assert llm.llm_engine.runner.tp_workers.procs == []  # none started here
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        (out,) = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 4
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError):
             llm.generate([[1, 2, 3]], params, use_tqdm=False)
-            time.sleep(0.1)
-    assert time.monotonic() - start < 10
-    llm.llm_engine.shutdown()
-    assert not dist.is_initialized()
+        assert time.monotonic() - start < 10  # its sockets closed: no timeout to wait for
+        llm.llm_engine.shutdown()
+        assert not dist.is_initialized()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
 
 
 def test_served_with_two_ranks_answers_then_a_killed_worker_ends_it(tmp_path, demo_model_dir):

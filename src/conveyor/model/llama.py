@@ -236,10 +236,8 @@ class LlamaForCausalLM(nn.Module):
         tp: Any = None,
         shard: Any = None,
     ) -> None:
-        """Args:
-        tp, shard: a tensor-parallel rank's TPGroup and its parallel.sharding.Shard: the
-            modules get that rank's head, MLP and vocabulary slices (None: the whole model).
-        """
+        """tp, shard: a tensor-parallel rank's TPGroup and parallel.sharding.Shard (its head,
+        MLP and vocabulary slices); None: the whole model."""
         super().__init__()
         self.config = config
         self.tp = tp

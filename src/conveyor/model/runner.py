@@ -75,9 +75,8 @@ class ModelRunner:
         config: the engine's settings.
         model_path: the checkpoint folder; None: `config.model`, or the embedded demo
             checkpoint (built on first use) when that is None too.
-        tp: this rank's tensor-parallel group (conveyor.parallel): the model holds the rank's
-            slices and its KV cache its KV heads; rank 0 samples and sends every step's
-            batch to the others. None: the whole model here.
+        tp: this rank's tensor-parallel group (conveyor.parallel; None: the whole model
+            here): the rank's slices, its KV heads; rank 0 sends each step to the others.
         """
         if model_path is None:
             model_path = str(config.model or demo_model_path())
@@ -179,13 +178,9 @@ class ModelRunner:
         self._check_kv_cache_fits(bytes_per_block, config)  # again: the weights took some
         try:
             self.kv_caches = allocate_kv_caches(
-                self.model.kv_config,
-                self.num_kv_blocks,
-                self.block_size,
-                self.dtype,
-                self.device,
-                kv_dtype,
-            )
+                self.model.kv_config, self.num_kv_blocks, self.block_size, self.dtype,
+                self.device, kv_dtype,
+            )  # fmt: skip
         except (RuntimeError, MemoryError) as exc:  # CPU "can't allocate memory", CUDA OOM
             raise self._kv_memory_error(bytes_per_block, config) from exc
         log_kv_cache(

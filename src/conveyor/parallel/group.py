@@ -2,11 +2,12 @@
 
 Two process groups span the same ranks:
 
+    control   the default group: gloo on the host, no practical timeout (the rendezvous is
+              bounded by `timeout_s`): rank 0's settings for the workers, its step messages
+              (a worker waits here as long as the engine is idle), the start-up agreement.
     compute   gloo on CPU, NCCL on CUDA; every op bounded by `timeout_s`
               (CONVEYOR_TP_TIMEOUT_S, default 60 s): the two all-reduces per layer, the
               embedding's all-reduce, the gather of vocab-parallel logits to rank 0.
-    control   gloo on the host, no practical timeout: rank 0's step messages (a worker
-              waits here as long as the engine is idle) and the start-up agreement.
 
 A step message is two broadcasts from rank 0 of int64 host tensors: a header [kind, T, B,
 max_blocks, prompt rows, sample rows] and, for a step, one payload: the T token ids, the B
@@ -51,6 +52,16 @@ class StepBatch:
     sample_rows: list[int]
 
 
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(
+            f"{name} is not set: a tensor-parallel worker needs RANK, WORLD_SIZE, MASTER_ADDR "
+            "and MASTER_PORT (rank 0's rendezvous) in its environment."
+        )
+    return value
+
+
 def timeout_from_env() -> float:
     raw = os.environ.get("CONVEYOR_TP_TIMEOUT_S")
     if raw is None:
@@ -65,7 +76,8 @@ def timeout_from_env() -> float:
 
 
 class TPGroup:
-    """Join the group as `rank` of `size` (blocks until every rank has joined).
+    """Join the group as `rank` of `size`: blocks until every rank has joined, at most
+    `timeout_s`. Then rank 0 `share`s the engine's settings and every rank `open_compute`s.
 
     Args:
         addr, port: rank 0's rendezvous; None: MASTER_ADDR / MASTER_PORT (env://), as the
@@ -76,7 +88,6 @@ class TPGroup:
         self,
         rank: int,
         size: int,
-        device: torch.device,
         timeout_s: float,
         addr: str | None = None,
         port: int | None = None,
@@ -84,22 +95,35 @@ class TPGroup:
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         # The device index on this machine (torchrun's LOCAL_RANK; all ranks local by default).
         self.local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        if device.type == "cuda":
-            torch.cuda.set_device(self.local_rank)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method="env://" if addr is None else f"tcp://{addr}:{port}",
-            rank=rank,
-            world_size=size,
-            timeout=timedelta(seconds=timeout_s),
+        if addr is None or port is None:
+            addr, port = _env("MASTER_ADDR"), int(_env("MASTER_PORT"))
+        # The store bounds the rendezvous; the control group itself never times out.
+        store = dist.TCPStore(
+            addr, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s)
         )
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=size, timeout=timedelta(days=365)
+        )
+        self.control = dist.group.WORLD
+        self.compute: dist.ProcessGroup | None = None
         self.failure: TensorParallelError | None = None  # set by rank 0's watchdog
         self.on_failure: list[Callable[[], None]] = []  # called by the watchdog then
         self.comm_seconds = 0.0  # time in compute collectives (benchmarks read it)
         self.num_collectives = 0
         self.timed = False  # synchronize and time each collective (benchmarks only)
+
+    def share(self, value: object = None) -> object:
+        """Rank 0's `value` on every rank (the others pass nothing)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def open_compute(self, device: torch.device) -> None:
+        """The compute group on `device` (NCCL on CUDA, rank r's `cuda:LOCAL_RANK`)."""
+        if device.type == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=self.timeout_s))
 
     def guard(self, step: Callable[..., object], *args: object) -> object:
         """Run `step`; any failure in it becomes a TensorParallelError (the ranks are out of
@@ -116,8 +140,8 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
         if self.timed:
-            return self._timed(dist.all_reduce, x)
-        dist.all_reduce(x)
+            return self._timed(lambda t: dist.all_reduce(t, group=self.compute), x)
+        dist.all_reduce(x, group=self.compute)
         return x
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -126,9 +150,9 @@ class TPGroup:
         local = local.contiguous()
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
         if self.timed:
-            self._timed(lambda t: dist.gather(t, parts, dst=0), local)
+            self._timed(lambda t: dist.gather(t, parts, dst=0, group=self.compute), local)
         else:
-            dist.gather(local, parts, dst=0)
+            dist.gather(local, parts, dst=0, group=self.compute)
         if parts is None:
             return None
         return torch.cat(parts, dim=1)[:, :vocab_size]

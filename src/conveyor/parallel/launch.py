@@ -10,10 +10,14 @@
 
 Rendezvous (env://): MASTER_ADDR (default 127.0.0.1) and MASTER_PORT (default: a free port
 on this machine; one given that cannot be bound is a ValueError). Workers are fresh
-interpreters (`python -c`), not multiprocessing's spawn, which re-imports the caller's
-__main__. On CPU each rank runs max(1, cores // N) torch threads.
+interpreters (`python -m conveyor.parallel.worker`), not multiprocessing's spawn, which
+re-imports the caller's __main__; rank 0 sends them the engine's settings once they joined.
+With CONVEYOR_TP_LOCAL_SIZE=L only ranks 1 .. L-1 start here; the others are started by hand
+on other machines (the same command, with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+LOCAL_RANK set) and must see the checkpoint at the same path. On CPU each rank runs
+max(1, cores // N) torch threads.
 
-A watchdog thread per worker waits for its exit: an exit the engine did not ask for sets
+A watchdog thread per local worker waits for its exit: an exit the engine did not ask for sets
 `group.failure` and calls `group.on_failure` (EngineThread wakes and ends the engine; the
 server then exits non-zero); the next step raises TensorParallelError. Workers leave on a
 stop message, or by themselves when this process is gone (worker.py), so none is orphaned.
@@ -22,17 +26,16 @@ stop message, or by themselves when this process is gone (worker.py), so none is
 from __future__ import annotations
 
 import atexit
-import base64
 import contextlib
 import logging
 import os
-import pickle
 import socket
 import subprocess
 import sys
 import threading
 
 import torch
+import torch.distributed as dist
 
 from conveyor.engine.config import EngineConfig
 from conveyor.model.demo import demo_model_path
@@ -40,8 +43,6 @@ from conveyor.model.runner import ModelRunner, resolve_device
 from conveyor.parallel.group import TensorParallelError, TPGroup, timeout_from_env
 
 logger = logging.getLogger(__name__)
-
-_WORKER_MAIN = "import sys; from conveyor.parallel.worker import main; main(sys.argv[1:])"
 
 
 def threads_per_rank(size: int) -> int:
@@ -57,13 +58,20 @@ def create_runner(config: EngineConfig) -> ModelRunner:
     _check_model(model_path, size)
     device = resolve_device(config.device)
     addr, port = _rendezvous()
+    local = _local_size(size)
+    if dist.is_initialized():
+        raise ValueError(
+            "a tensor-parallel engine (or another torch.distributed group) is already running "
+            "in this process, and a process holds one group: call that engine's shutdown() "
+            "(LLM(...).llm_engine.shutdown()) first."
+        )
     env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(size)}
-    level = logging.getLogger("conveyor").getEffectiveLevel()
-    blob = base64.b64encode(pickle.dumps((config, model_path, level))).decode()
+    env["CONVEYOR_TP_LOG_LEVEL"] = str(logging.getLogger("conveyor").getEffectiveLevel())
+    env["CONVEYOR_TP_PARENT_PID"] = str(os.getpid())
     procs = []
-    for rank in range(1, size):
+    for rank in range(1, local):
         proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_MAIN, blob],
+            [sys.executable, "-m", "conveyor.parallel.worker"],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
         )
         logger.info("Tensor-parallel worker rank %d started (pid %d)", rank, proc.pid)
@@ -72,7 +80,9 @@ def create_runner(config: EngineConfig) -> ModelRunner:
     if device.type == "cpu":
         torch.set_num_threads(threads_per_rank(size))
     try:
-        group = TPGroup(0, size, device, timeout_from_env(), addr, port)
+        group = TPGroup(0, size, timeout_from_env(), addr, port)
+        group.share((config, model_path))
+        group.open_compute(device)
     except Exception as exc:
         _kill(procs)
         torch.set_num_threads(threads)
@@ -115,6 +125,20 @@ def _check_model(model_path: str, size: int) -> None:
             "checkpoint, or tensor_parallel_size 1."
         )
     check_tensor_parallel(ModelConfig.from_hf_config(read_hf_config(model_path)), size)
+
+
+def _local_size(size: int) -> int:
+    """How many ranks run here: CONVEYOR_TP_LOCAL_SIZE (default all); ranks from it on are
+    started elsewhere with `python -m conveyor.parallel.worker`."""
+    raw = os.environ.get("CONVEYOR_TP_LOCAL_SIZE")
+    if raw is None:
+        return size
+    if not raw.isdigit() or not 1 <= int(raw) <= size:
+        raise ValueError(
+            f"CONVEYOR_TP_LOCAL_SIZE must be a number of ranks in 1..{size} (the ranks this "
+            f"machine runs, rank 0 included), got {raw!r}."
+        )
+    return int(raw)
 
 
 def _rendezvous() -> tuple[str, int]:

@@ -1,22 +1,23 @@
 """A tensor-parallel worker (rank > 0): load this rank's slices, then run rank 0's steps.
 
-Started by conveyor.parallel.launch as `python -c ...` with RANK, WORLD_SIZE, MASTER_ADDR
-and MASTER_PORT set and (engine config, model path, log level) in argv. The loop: receive a
-step (TPGroup.recv_step), rebuild its attention metadata, run the forward (its all-reduces
-meet rank 0's) and contribute to the logits gathers rank 0 makes; no sampling here.
+Started as `python -m conveyor.parallel.worker` with RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT (and LOCAL_RANK, its device on this machine) set: by conveyor.parallel.launch on
+rank 0's machine, or by hand on another one. Rank 0 sends it the engine's settings and the
+checkpoint path once the group has formed. The loop: receive a step (TPGroup.recv_step),
+rebuild its attention metadata, run the forward (its all-reduces meet rank 0's) and
+contribute to the logits gathers rank 0 makes; no sampling here.
 
-It ends on rank 0's stop message; when rank 0 dies (a collective fails once its sockets
-close) or when its parent process is gone (checked twice a second), so it never outlives the
-engine. SIGINT is ignored: a terminal's Ctrl-C reaches the whole process group, and rank 0
-decides when the engine stops.
+It ends on rank 0's stop message, when rank 0 dies (a collective fails once its sockets
+close) or, if rank 0 started it, when its parent process is gone (checked twice a second),
+so it never outlives the engine. SIGINT and SIGTERM are ignored, as in the engine process:
+a terminal's Ctrl-C or systemd's SIGTERM reach the whole process group, and rank 0 decides
+when the engine stops (after the server's graceful drain).
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
-import pickle
 import signal
 import threading
 import time
@@ -47,9 +48,7 @@ def serve(runner: ModelRunner) -> None:
                 model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
 
 
-def _exit_with_parent() -> None:
-    parent = os.getppid()
-
+def _exit_with_parent(parent: int) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
@@ -58,23 +57,31 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="conveyor-tp-parent", daemon=True).start()
 
 
-def main(argv: list[str]) -> None:
+def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config, model_path, log_level = pickle.loads(base64.b64decode(argv[0]))
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "0"))
     logging.basicConfig(
-        level=log_level,
+        level=int(os.environ.get("CONVEYOR_TP_LOG_LEVEL", logging.INFO)),
         format=f"%(levelname)s %(asctime)s %(name)s [tp rank {rank}]: %(message)s",
         datefmt="%m-%d %H:%M:%S",
     )
-    _exit_with_parent()
+    if not 0 < rank < size:
+        raise SystemExit(
+            f"conveyor.parallel.worker runs rank 1 .. WORLD_SIZE - 1; got RANK={rank} "
+            f"WORLD_SIZE={size} (set both, with MASTER_ADDR and MASTER_PORT)."
+        )
+    if "CONVEYOR_TP_PARENT_PID" in os.environ:  # started by rank 0 on this machine
+        _exit_with_parent(int(os.environ["CONVEYOR_TP_PARENT_PID"]))
     from conveyor.parallel.launch import threads_per_rank
 
-    device = resolve_device(config.device)
-    if device.type == "cpu":
-        torch.set_num_threads(threads_per_rank(size))
     try:
-        group = TPGroup(rank, size, device, timeout_from_env())
+        group = TPGroup(rank, size, timeout_from_env())
+        config, model_path = group.share()
+        device = resolve_device(config.device)
+        if device.type == "cpu":
+            torch.set_num_threads(threads_per_rank(size))
+        group.open_compute(device)
         runner = ModelRunner(config, model_path, tp=group)
         group.agree_min(runner.num_kv_blocks)  # rank 0 checks that every rank agrees
         serve(runner)
@@ -82,3 +89,7 @@ def main(argv: list[str]) -> None:
         logger.exception("Tensor-parallel rank %d failed; it exits.", rank)
         os._exit(1)
     os._exit(0)  # rank 0 asked; nothing here needs tearing down
+
+
+if __name__ == "__main__":
+    main()
