@@ -34,7 +34,7 @@ from conveyor import LLM, SamplingParams
 _HERE = Path(__file__).resolve().parent
 
 
-def _load(name: str):  # noqa: ANN202 - a benchmark module, loaded by path
+def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", _HERE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -122,7 +122,7 @@ def _run(args: argparse.Namespace, model: str) -> dict:
     return out
 
 
-def _timed_generate(llm: LLM, prompts, params, total: int, args) -> float:  # noqa: ANN001
+def _timed_generate(llm: LLM, prompts, params, total: int, args) -> float:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
     seconds = time.perf_counter() - start
@@ -132,14 +132,14 @@ def _timed_generate(llm: LLM, prompts, params, total: int, args) -> float:  # no
     return seconds
 
 
-def _collective_cost(llm: LLM, prompts, params, total: int, args) -> dict:  # noqa: ANN001
+def _collective_cost(llm: LLM, prompts, params, total: int, args) -> dict:
     """One run with rank 0's collectives timed, and its steps counted and timed."""
     runner = llm.llm_engine.runner
     group = runner.tp
     execute = runner.execute
     steps = [0, 0.0]
 
-    def counted(out):  # noqa: ANN001, ANN202
+    def counted(out):
         start = time.perf_counter()
         try:
             return execute(out)
