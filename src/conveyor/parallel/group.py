@@ -2,9 +2,10 @@
 
 Two process groups span the same ranks:
 
-    control   the default group: gloo on the host, no practical timeout (the rendezvous is
-              bounded by `timeout_s`): rank 0's settings for the workers, its step messages
-              (a worker waits here as long as the engine is idle), the start-up agreement.
+    control   the default group: gloo on the host. Rank 0's settings for the workers, its
+              step messages (rank 0's sends bounded by `timeout_s`; a worker waits for the
+              next one as long as the engine is idle), the start-up agreement. The
+              rendezvous is bounded by max(`timeout_s`, 120 s).
     compute   gloo on CPU, NCCL on CUDA; every op bounded by `timeout_s`
               (CONVEYOR_TP_TIMEOUT_S, default 60 s): the two all-reduces per layer, the
               embedding's all-reduce, the gather of vocab-parallel logits to rank 0.
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0
+JOIN_TIMEOUT_S = 120.0
 _STEP, _STOP = 1, 2
 _HEADER = 6
 
@@ -77,7 +79,8 @@ def timeout_from_env() -> float:
 
 class TPGroup:
     """Join the group as `rank` of `size`: blocks until every rank has joined, at most
-    `timeout_s`. Then rank 0 `share`s the engine's settings and every rank `open_compute`s.
+    max(`timeout_s`, JOIN_TIMEOUT_S). Then rank 0 `share`s the engine's settings and every
+    rank calls `open_compute`.
 
     Args:
         addr, port: rank 0's rendezvous; None: MASTER_ADDR / MASTER_PORT (env://), as the
@@ -97,10 +100,10 @@ class TPGroup:
         self.local_rank = int(os.environ.get("LOCAL_RANK", rank))
         if addr is None or port is None:
             addr, port = _env("MASTER_ADDR"), int(_env("MASTER_PORT"))
-        # The store bounds the rendezvous; the control group itself never times out.
-        store = dist.TCPStore(
-            addr, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s)
-        )
+        # The store bounds the rendezvous (at least JOIN_TIMEOUT_S: a worker first imports
+        # torch); the control group itself never times out.
+        join = timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+        store = dist.TCPStore(addr, port, size, is_master=rank == 0, timeout=join)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=size, timeout=timedelta(days=365)
         )
@@ -193,8 +196,14 @@ class TPGroup:
                 np.asarray(batch.sample_rows, dtype=np.int64),
             ]
         )
-        dist.broadcast(torch.tensor(header, dtype=torch.int64), 0, group=self.control)
-        dist.broadcast(torch.from_numpy(payload), 0, group=self.control)
+        self._send(torch.tensor(header, dtype=torch.int64))
+        self._send(torch.from_numpy(payload))
+
+    def _send(self, t: torch.Tensor) -> None:
+        """Broadcast from rank 0 on the control group, bounded by `timeout_s` (a hung
+        worker does not take the message)."""
+        work = dist.broadcast(t, 0, group=self.control, async_op=True)
+        work.wait(timeout=timedelta(seconds=self.timeout_s))
 
     def recv_step(self) -> StepBatch | None:
         """A worker: the next step's batch, or None when rank 0 says stop."""
