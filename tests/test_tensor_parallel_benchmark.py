@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "tensor_parallel.py"
@@ -25,7 +26,8 @@ def test_tensor_parallel_benchmark_reports_each_size_and_the_collectives(capsys)
     assert json.loads(capsys.readouterr().out) == result
     total = result["workload"]["total_output_tokens"]
     for name in ("tp1_1thread", "tp1_threads", "tp2"):
-        assert result[name]["output_tokens_per_s"] == round(total / result[name]["seconds"], 1)
+        rate = total / result[name]["seconds"]  # seconds are rounded to the millisecond
+        assert result[name]["output_tokens_per_s"] == pytest.approx(rate, rel=0.05)
     assert result["tp2"]["threads_per_rank"] == 1
     comm = result["tp2_collectives"]
     # tiny3 has 3 layers: the embedding's all-reduce, two per layer, then a logits gather
