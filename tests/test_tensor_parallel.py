@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from gguf import GGMLQuantizationType as QType
+from tests.gguf_files import write_gguf
 from tests.hf_checkpoints import agree_until_a_near_tie, greedy_reference, write_checkpoint
 
 from conveyor import LLM, SamplingParams
@@ -152,6 +154,15 @@ def test_heads_not_divisible_is_a_value_error_before_any_process(demo_model_dir)
     # The demo model has 8 heads: 3 ranks cannot split them.
     with pytest.raises(ValueError, match="does not divide the model's 8 attention heads"):
         LLM(str(demo_model_dir), tensor_parallel_size=3)
+    assert _children() == before
+
+
+def test_a_gguf_model_is_refused_with_tensor_parallelism(tmp_path, tiny_tokenizer_dir):
+    hf_dir = write_checkpoint(tmp_path / "hf", "llama", tiny_tokenizer_dir)
+    file = write_gguf(hf_dir, tmp_path / "m.gguf", QType.F32)
+    before = _children()
+    with pytest.raises(ValueError, match="not supported for GGUF"):
+        LLM(str(file), tensor_parallel_size=2)
     assert _children() == before
 
 
