@@ -92,11 +92,17 @@ def write_checkpoint(
 
 
 def greedy_reference(
-    hf: transformers.PreTrainedModel, prompts: list[list[int]], max_tokens: list[int]
-) -> list[list[int]]:
+    hf: transformers.PreTrainedModel,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    with_scores: bool = False,
+) -> list[Any]:
     """transformers' greedy tokens for each prompt alone, with an explicit attention mask
-    (without one, generate masks every token equal to pad_token_id)."""
-    expected = []
+    (without one, generate masks every token equal to pad_token_id).
+
+    with_scores: each entry is (tokens, [fp32 logits of each step]) for `agree_until_a_near_tie`.
+    """
+    expected: list[Any] = []
     with torch.no_grad():
         for ids, m in zip(prompts, max_tokens, strict=True):
             out = hf.generate(
@@ -104,6 +110,25 @@ def greedy_reference(
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=m,
                 do_sample=False,
+                output_scores=with_scores,
+                return_dict_in_generate=True,
             )
-            expected.append(out[0, len(ids) :].tolist())
+            tokens = out.sequences[0, len(ids) :].tolist()
+            expected.append((tokens, [s[0].float() for s in out.scores]) if with_scores else tokens)
     return expected
+
+
+def agree_until_a_near_tie(
+    got: list[int], tokens: list[int], scores: list[torch.Tensor], tol: float
+) -> int:
+    """How many tokens `got` shares with transformers' `tokens`: they must be equal up to the
+    first step where they differ, and there transformers' own logits of the two tokens must
+    be within `tol` (a near-tie that rounding may flip; the two continue differently from
+    there and are not compared further). Asserts; returns the number compared."""
+    for k, (a, b) in enumerate(zip(got, tokens, strict=False)):
+        if a != b:
+            gap = (scores[k][b] - scores[k][a]).abs().item()
+            assert gap < tol, f"step {k}: {a} vs transformers' {b}, logit gap {gap:.4f}"
+            return k
+    assert len(got) == len(tokens)
+    return len(got)

@@ -129,6 +129,11 @@ def test_data_parallel_size_must_be_a_positive_integer() -> None:
         EngineConfig(data_parallel_size=0)
 
 
+def test_replicas_of_a_tensor_parallel_engine_are_refused() -> None:
+    with pytest.raises(ValueError, match="data_parallel_size=2 with tensor_parallel_size=2"):
+        EngineConfig(data_parallel_size=2, tensor_parallel_size=2)
+
+
 def test_the_offline_llm_refuses_data_parallel_replicas_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"data_parallel_size=2: .*--data-parallel-size"):
         LLM(data_parallel_size=2)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 import transformers
-from tests.hf_checkpoints import write_checkpoint
+from tests.hf_checkpoints import agree_until_a_near_tie, greedy_reference, write_checkpoint
 
 from conveyor import LLM, SamplingParams
 
@@ -23,30 +23,7 @@ NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 def _reference(path, prompts, max_tokens, dtype):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    refs = []
-    with torch.no_grad():
-        for ids, m in zip(prompts, max_tokens, strict=True):
-            out = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=m,
-                do_sample=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
-            tokens = out.sequences[0, len(ids) :].tolist()
-            refs.append((tokens, [s[0].float() for s in out.scores]))
-    return refs
-
-
-def _agree_until_a_near_tie(got, tokens, scores, tol):
-    for k, (a, b) in enumerate(zip(got, tokens, strict=False)):
-        if a != b:
-            gap = (scores[k][b] - scores[k][a]).abs().item()
-            assert gap < tol, f"step {k}: {a} vs transformers' {b}, logit gap {gap:.4f}"
-            return k
-    assert len(got) == len(tokens)
-    return len(got)
+    return greedy_reference(hf, prompts, max_tokens, with_scores=True)
 
 
 @pytest.mark.parametrize(
@@ -70,7 +47,7 @@ def test_half_precision_checkpoint_runs_in_its_dtype_like_transformers(
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     refs = _reference(path, prompts, max_tokens, dtype)
     agreed = [
-        _agree_until_a_near_tie(g, tokens, scores, NEAR_TIE[dtype])
+        agree_until_a_near_tie(g, tokens, scores, NEAR_TIE[dtype])
         for g, (tokens, scores) in zip(got, refs, strict=True)
     ]
     # Near-ties are rare with these weights: most tokens are compared.

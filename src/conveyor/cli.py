@@ -110,6 +110,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--attention-backend", metavar="NAME", help="auto, cpu, torch or triton")
     add("--linear-backend", metavar="NAME", help="GEMMs: auto, onednn (prepacked) or torch")
     add("--kv-cache-dtype", metavar="DTYPE", help="auto (the model's) or int8 (~2x the blocks)")
+    add("--tensor-parallel-size", type=int, metavar="N", help="split the model over N ranks "
+        "(one process each; gloo on CPU, NCCL on CUDA; default 1)")  # fmt: skip
     add("--seed", type=int, help="engine seed for requests without their own")
     add("--aging-bound-s", type=float, metavar="S", help="sjf family: aging bound (10; inf: off)")
     add("--preemption-threshold", type=float, metavar="F", help="preemptive-sjf threshold (0.5)")

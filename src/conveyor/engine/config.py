@@ -51,6 +51,8 @@ class EngineConfig:
     # Whole engine replicas behind one server (`conveyor serve`), each on its own GPU or CPU
     # cores (entrypoints/data_parallel.py); one LLMEngine is always a single replica.
     data_parallel_size: int = 1
+    # Ranks the model is split over (conveyor/parallel/): one worker process per rank > 0.
+    tensor_parallel_size: int = 1
     seed: int = 0
     # Scheduling policy knobs (see core/policies.py). Times are seconds of the engine clock.
     # sjf, preemptive-sjf, length-aware: a request that has waited this long since arrival is
@@ -64,7 +66,12 @@ class EngineConfig:
     preemption_cooldown_s: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "tensor_parallel_size",
+        ):
             check_positive_int(name, getattr(self, name))
         check_choice("block_size", self.block_size, (8, 16, 32, 64, 128))
         if self.num_kv_blocks is not None:
@@ -95,6 +102,12 @@ class EngineConfig:
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("device", self.device, DEVICES)
         check_positive_int("data_parallel_size", self.data_parallel_size)
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size} with tensor_parallel_size="
+                f"{self.tensor_parallel_size}: replicas of a tensor-parallel engine are not "
+                "supported yet; use one of the two."
+            )
         check_int("seed", self.seed)
         check_number(
             "aging_bound_s", self.aging_bound_s, "> 0 (inf turns aging off)", lambda v: v > 0

@@ -26,7 +26,7 @@ from conveyor.engine.output_state import OutputState, RequestState
 from conveyor.engine.outputs import Metric, MetricName, RequestMetrics, RequestOutput
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from conveyor.model.checkpoint import check_checkpoint
-from conveyor.model.runner import ModelRunner
+from conveyor.parallel.launch import create_runner, shutdown_runner
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,9 @@ class LLMEngine:
         self.config = config
         # The file checks first: a wrong folder is named before any weight is read.
         check_checkpoint(config.model, config.tokenizer)
-        self.runner = ModelRunner(config)  # model None: the runner builds the demo checkpoint
+        # model None: the runner builds the demo checkpoint. tensor_parallel_size > 1: rank 0
+        # of a group of worker processes (conveyor.parallel).
+        self.runner = create_runner(config)
         self.model_path = self.runner.model_path
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
         # Resolve what the checkpoint and the memory budget decide, then build the scheduler.
@@ -201,6 +203,10 @@ class LLMEngine:
             parents = (seqs[r.request_id].parent_id for r in scheduled if r.request_id in seqs)
             ids = list(dict.fromkeys(parents))
         return self.abort_request(ids)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit; no-op otherwise)."""
+        shutdown_runner(self.runner)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)

@@ -60,6 +60,10 @@ class EngineThread:
         self._queued_seqs = 0
         self._applied_seqs = 0
         self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+        # Tensor-parallel: a worker's death wakes this thread, which then ends (see _run).
+        self._tp = getattr(getattr(engine, "runner", None), "tp", None)
+        if self._tp is not None:
+            self._tp.on_failure.append(self._wakeup.set)
 
     @property
     def started(self) -> bool:
@@ -123,6 +127,8 @@ class EngineThread:
         engine = self.engine
         try:
             while not self._stopping:
+                if self._tp is not None and self._tp.failure is not None:
+                    raise self._tp.failure
                 outputs = self._apply_inbox()
                 at = self._abort_at
                 if at is not None and time.monotonic() >= at and engine.has_unfinished_requests():
@@ -135,6 +141,8 @@ class EngineThread:
                     try:
                         outputs += engine.step()
                     except Exception as exc:
+                        if getattr(exc, "fatal", False):  # a tensor-parallel rank is gone
+                            raise
                         outputs += self._fail_step(exc)
                     step_time = time.monotonic() - start
                     num_tokens = engine.last_step_num_tokens

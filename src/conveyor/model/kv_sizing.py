@@ -46,7 +46,7 @@ def profile_cuda_kv_bytes(
 ) -> int:
     """Run one forward of `num_tokens` prompt tokens (one request, a throwaway cache) and size
     the KV cache from what the device has left (`kv_bytes_from_profile`)."""
-    cfg = model.config
+    cfg = model.kv_config  # a tensor-parallel rank: its own KV heads
     num_blocks = cdiv(num_tokens, block_size)
     caches = allocate_kv_caches(cfg, num_blocks, block_size, dtype, device, kv_cache_dtype)
     meta = build_attention_metadata(

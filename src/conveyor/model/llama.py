@@ -28,6 +28,7 @@ from conveyor.model.attention import (
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers import GatedMLP, RMSNorm, RopeStep, RotaryEmbedding
 from conveyor.model.model_config import ModelConfig  # also imported from here by callers
+from conveyor.parallel.sharding import VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -78,6 +79,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, attn: LlamaAttention) -> None:
         super().__init__()
         self.self_attn = attn
+        self.tp: Any = None  # a TPGroup: the attention and MLP outputs are partial sums
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -95,8 +97,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, kv_cache, meta)
+        if self.tp is not None:
+            x = self.tp.all_reduce(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.tp is not None:
+            x = self.tp.all_reduce(x)
+        return x, residual
 
 
 class LlamaModel(nn.Module):
@@ -130,9 +137,21 @@ class LlamaForCausalLM(nn.Module):
     force_qkv_bias: ClassVar[bool] = False  # Qwen2: q/k/v always have bias, o_proj none
     qk_norm: ClassVar[bool] = False  # Qwen3: RMSNorm per head on q and k before rope
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend | None = None,
+        tp: Any = None,
+        shard: Any = None,
+    ) -> None:
+        """tp, shard: a tensor-parallel rank's TPGroup and parallel.sharding.Shard (its head,
+        MLP and vocabulary slices); None: the whole model."""
         super().__init__()
         self.config = config
+        self.tp = tp
+        if shard is not None:  # the modules below are built with this rank's sizes
+            config = shard.local_config(config)
+        self.kv_config = config  # what this rank's KV cache holds (its KV heads)
         backend = backend or get_attention_backend("torch", "cpu")
         qkv_bias = config.attention_bias or self.force_qkv_bias
         o_bias = config.attention_bias
@@ -149,6 +168,10 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        if shard is not None:
+            self.model.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size, tp)
+            for layer in self.model.layers:
+                layer.tp = tp
 
     def forward(
         self,
@@ -175,11 +198,16 @@ class LlamaForCausalLM(nn.Module):
         x, _ = m.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, H] -> float32 logits [N, vocab]. Tensor-parallel: every rank calls it,
+        rank 0 gets the gathered logits and the others None."""
         if self.lm_head is None:  # tied (until linear.pack_linears gives it a packed head)
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        if self.tp is not None:
+            return self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits
 
 
 class MistralForCausalLM(LlamaForCausalLM):

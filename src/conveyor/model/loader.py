@@ -42,6 +42,7 @@ from conveyor.model.llama import (
     Qwen3ForCausalLM,
 )
 from conveyor.model.safetensors_mmap import MappedTensor, iter_mapped_tensors
+from conveyor.parallel.sharding import Shard
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -141,6 +142,7 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     attention_backend: str = "auto",
+    tp: Any = None,
 ) -> LlamaForCausalLM:
     """Load a checkpoint directory into our model, in eval mode on device/dtype.
 
@@ -152,6 +154,8 @@ def load_model(
             resolve_dtype).
         device: torch device or name ("auto": cuda when available, else cpu).
         attention_backend: name for get_attention_backend ("auto", "torch", "triton").
+        tp: a tensor-parallel rank's TPGroup: the model gets that rank's slices only
+            (conveyor.parallel.sharding), each read as a narrow view of the file.
     Returns:
         the model; callers run it under torch.inference_mode().
     Raises:
@@ -166,6 +170,12 @@ def load_model(
     dtype = resolve_dtype(dtype, device, hf_config)
     config = ModelConfig.from_hf_config(hf_config)
     gguf_file = find_gguf_file(path)
+    shard = None if tp is None else Shard.of(config, tp.rank, tp.size)
+    if gguf_file is not None and shard is not None:
+        raise ValueError(
+            "tensor_parallel_size > 1 is not supported for GGUF models; use an HF safetensors "
+            "checkpoint, or tensor_parallel_size 1."
+        )
     if gguf_file is not None:
         tensors = iter_gguf_tensors(gguf_file, hf_config)
     else:
@@ -177,9 +187,9 @@ def load_model(
         tensors = iter_checkpoint_tensors(files)
     backend = get_attention_backend(attention_backend, device)
     with torch.device("meta"):
-        model = cls(config, backend)
+        model = cls(config, backend, tp=tp, shard=shard)
     try:
-        _assign_weights(model, tensors, dtype, device)
+        _assign_weights(model, tensors, dtype, device, shard)
     finally:
         if gguf_file is not None:
             release_gguf()
@@ -192,8 +202,10 @@ def _assign_weights(
     tensors: Iterator[tuple[str, torch.Tensor | MappedTensor]],
     dtype: torch.dtype,
     device: torch.device,
+    shard: Shard | None = None,
 ) -> None:
-    """Map HF names to ours, concatenate packed shards and assign every parameter.
+    """Map HF names to ours, concatenate packed shards and assign every parameter (only
+    `shard`'s slice of each, when given).
 
     A MappedTensor used as is becomes the parameter (the file's pages are its memory); one
     that was copied (converted, moved or concatenated) is released right after, so the
@@ -203,19 +215,19 @@ def _assign_weights(
     shard_counts: dict[str, int] = {}
     for fused, index in packed.values():
         shard_counts[fused] = max(shard_counts.get(fused, 0), index + 1)
-    pending: dict[str, dict[int, torch.Tensor | MappedTensor]] = {}  # fused name -> pieces
+    pending: dict[str, dict[int, tuple[str, Any]]] = {}  # fused name -> (HF name, piece)
     unexpected: list[str] = []
     loaded: set[str] = set()
     for name, item in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
             continue
         parts = name.split(".")
-        sources = [item]
+        sources = [(name, item)]
         if len(parts) >= 2 and parts[-2] in packed:
             fused, index = packed[parts[-2]]
             ours = ".".join([*parts[:-2], fused, parts[-1]])
             pieces = pending.setdefault(ours, {})
-            pieces[index] = item
+            pieces[index] = (name, item)
             if len(pieces) < shard_counts[fused]:
                 continue
             sources = [pieces[i] for i in range(shard_counts[fused])]
@@ -224,10 +236,12 @@ def _assign_weights(
         if name not in expected:
             unexpected.append(name)
             continue
-        views = [s.tensor if isinstance(s, MappedTensor) else s for s in sources]
+        views = [s.tensor if isinstance(s, MappedTensor) else s for _, s in sources]
+        if shard is not None:
+            views = [shard.slice(n, v) for (n, _), v in zip(sources, views, strict=True)]
         tensor = views[0] if len(views) == 1 else _cat_as(views, dtype, device)
         value = _set_parameter(model, name, expected[name], tensor, dtype, device)
-        for source, view in zip(sources, views, strict=True):
+        for (_, source), view in zip(sources, views, strict=True):
             if isinstance(source, MappedTensor) and value.data_ptr() != view.data_ptr():
                 source.release()
         loaded.add(name)

@@ -47,6 +47,8 @@ from conveyor.model.loader import (
 from conveyor.model.logits_guard import FiniteLogitsGuard
 from conveyor.model.prompt_logprobs import PromptRows, prompt_logprobs
 from conveyor.model.sampler import Sampler, SamplerOutput
+from conveyor.parallel.group import StepBatch, TPGroup
+from conveyor.parallel.sharding import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +68,23 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     """Owns the model, the paged KV cache tensors and the sampler."""
 
-    def __init__(self, config: EngineConfig, model_path: str | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: str | None = None, tp: TPGroup | None = None
+    ) -> None:
         """Args:
         config: the engine's settings.
         model_path: the checkpoint folder; None: `config.model`, or the embedded demo
             checkpoint (built on first use) when that is None too.
+        tp: this rank's tensor-parallel group (conveyor.parallel; None: the whole model
+            here): the rank's slices, its KV heads; rank 0 sends each step to the others.
         """
         if model_path is None:
             model_path = str(config.model or demo_model_path())
         self.model_path = model_path
+        self.tp = tp
         self.device = resolve_device(config.device)
+        if tp is not None and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.local_rank)
         self.block_size = config.block_size
         # The KV cache is sized from config.json alone, so one that cannot fit in memory is
         # refused before the weights load.
@@ -94,6 +103,8 @@ class ModelRunner:
                 context,
             )
         kv_dtype = config.kv_cache_dtype
+        if tp is not None:  # a rank's cache holds its KV heads only
+            model_config = Shard.of(model_config, tp.rank, tp.size).local_config(model_config)
         bytes_per_block = kv_cache_bytes_per_block(
             model_config, self.block_size, self.dtype, kv_dtype
         )
@@ -120,7 +131,7 @@ class ModelRunner:
         # Before the weights load, so an impossible choice is reported at once.
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         self.model = load_model(
-            model_path, self.dtype, self.device, attention_backend=config.attention_backend
+            model_path, self.dtype, self.device, config.attention_backend, tp=tp
         )
         if self.linear_backend == "onednn":
             pack_linears(self.model)
@@ -146,12 +157,15 @@ class ModelRunner:
                     "--num-kv-blocks."
                 )
             self.num_kv_blocks = min(kv_bytes // bytes_per_block, most)
+            if tp is not None:  # every rank the same count: what the tightest one holds
+                self.num_kv_blocks = tp.agree_min(self.num_kv_blocks)
             self._fit_context_to_cache(config)
         self._check_kv_cache_fits(bytes_per_block, config)  # again: the weights took some
         try:
             self.kv_caches = allocate_kv_caches(
-                mcfg, self.num_kv_blocks, self.block_size, self.dtype, self.device, kv_dtype
-            )
+                self.model.kv_config, self.num_kv_blocks, self.block_size, self.dtype,
+                self.device, kv_dtype,
+            )  # fmt: skip
         except (RuntimeError, MemoryError) as exc:  # CPU "can't allocate memory", CUDA OOM
             raise self._kv_memory_error(bytes_per_block, config) from exc
         log_kv_cache(
@@ -161,7 +175,8 @@ class ModelRunner:
             self.num_kv_blocks * bytes_per_block / 2**20,
             self.max_model_len,
         )
-        self.sampler = FiniteLogitsGuard(Sampler(self.vocab_size, config.seed, self.device))
+        if tp is None or tp.rank == 0:  # only rank 0 samples
+            self.sampler = FiniteLogitsGuard(Sampler(self.vocab_size, config.seed, self.device))
 
     def _fit_context_to_cache(self, config: EngineConfig) -> None:
         """As vLLM: the effective max_model_len is the model's context capped by what the KV
@@ -217,6 +232,13 @@ class ModelRunner:
             (None when no request reached the end of its tokens this step), and the prompt
             logprobs this step's rows gave: request id -> [(prompt position, TokenLogprobs)].
         """
+        if self.tp is not None:
+            return self.tp.guard(self._execute, out)
+        return self._execute(out)
+
+    def _execute(
+        self, out: SchedulerOutput
+    ) -> tuple[list[Sequence], SamplerOutput | None, dict[str, list[tuple[int, TokenLogprobs]]]]:
         input_ids, meta, sample_rows, sampled, prompt_rows = self._prepare(out)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         prompt_lps = prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else {}
@@ -253,6 +275,9 @@ class ModelRunner:
                 sampled.append(req)
                 sample_rows.append(row - 1)
 
+        if self.tp is not None:  # the other ranks run the same step
+            rows = [r for _, _, r0, c in prompt_rows for r in range(r0, r0 + c)]
+            self.tp.send_step(StepBatch(token_ids, query_lens, seq_lens, tables, rows, sample_rows))
         dev = self.device
         # The scheduler gives every request >= 1 new token and a table covering its context.
         meta = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
