@@ -29,5 +29,7 @@ def test_data_parallel_benchmark_reports_each_size_and_both_replicas_work(capsys
     expected = two["output_throughput_median"] / one["output_throughput_median"]
     assert abs(two["speedup_over_first_size_median"] - expected) < 0.01
     assert one["finished_per_replica_last_round"] == [8]
-    # 8 equal requests at once: each replica gets its half.
-    assert two["finished_per_replica_last_round"] == [4, 4]
+    # 8 equal requests at once: both replicas serve some (not always 4 / 4: a replica that
+    # already streamed tokens has fewer outstanding when the last requests are routed).
+    per_replica = two["finished_per_replica_last_round"]
+    assert len(per_replica) == 2 and sum(per_replica) == 8 and min(per_replica) >= 2
