@@ -31,6 +31,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -204,13 +205,14 @@ def gemm_floor(model, batch: int, repeats: int = 20) -> dict:
     best = min(times)
     return {
         "measured": "each layer's qkv, o, gate_up, down + lm_head of conveyor's loaded model, "
-        "back to back on a [batch, in_features] input; best of repeats",
+        "back to back on a [batch, in_features] input; best of repeats (and their median)",
         "batch": batch,
         "num_linears": len(linears),
         "linear_type": type(linears[0][1]).__name__,
         "repeats": repeats,
         "seconds": round(best, 6),
         "ms": round(best * 1e3, 3),
+        "median_ms": round(statistics.median(times) * 1e3, 3),
         "gflop_per_s": round(2 * batch * weights / best / 1e9, 1),
         "decode_tok_per_s_ceiling": round(batch / best, 1),
     }
@@ -255,12 +257,12 @@ def step_split(llm: LLM, batch: int, prompt_len: int, vocab: int, warm: int, ste
     h1 = model.register_forward_pre_hook(pre)
     h2 = model.register_forward_hook(post)
     model.compute_logits, runner.execute = logits, execute
-    step_total, tokens_ok = 0.0, True
+    step_times, tokens_ok = [], True
     try:
         for _ in range(steps):
             s = time.perf_counter()
             engine.step()
-            step_total += time.perf_counter() - s
+            step_times.append(time.perf_counter() - s)
             tokens_ok &= engine.last_step_num_tokens == batch
     finally:
         h1.remove()
@@ -269,7 +271,7 @@ def step_split(llm: LLM, batch: int, prompt_len: int, vocab: int, warm: int, ste
     while engine.has_unfinished_requests():
         engine.step()
     per = {k: v / steps for k, v in acc.items()}
-    step = step_total / steps
+    step = sum(step_times) / steps
     model_s = per["forward"] + per["logits"]
     return {
         "measured": (
@@ -283,6 +285,8 @@ def step_split(llm: LLM, batch: int, prompt_len: int, vocab: int, warm: int, ste
         "steps": steps,
         "all_steps_were_pure_decode": bool(tokens_ok),
         "step_ms": round(step * 1e3, 3),
+        "step_min_ms": round(min(step_times) * 1e3, 3),
+        "step_median_ms": round(statistics.median(step_times) * 1e3, 3),
         "execute_ms": round(per["execute"] * 1e3, 3),
         "forward_ms": round(per["forward"] * 1e3, 3),
         "logits_ms": round(per["logits"] * 1e3, 3),
@@ -418,7 +422,12 @@ def _run(args, model: str, progress: bool) -> dict:
     runner_model = llm.llm_engine.runner.model
     result["gemm_floor"] = gemm_floor(runner_model, bs)
     split = step_split(llm, bs, 64, vocab, warm=4, steps=args.split_steps)
-    split["gemm_floor_fraction_of_step"] = round(result["gemm_floor"]["ms"] / split["step_ms"], 3)
+    floor = result["gemm_floor"]
+    split["gemm_floor_fraction_of_step"] = round(floor["ms"] / split["step_ms"], 3)
+    # Like with like on a noisy machine: the best step against the best floor run, and the
+    # median against the median (the mean step above takes every spike, the floor none).
+    split["step_to_floor_best"] = round(split["step_min_ms"] / floor["ms"], 3)
+    split["step_to_floor_median"] = round(split["step_median_ms"] / floor["median_ms"], 3)
     result["step_split"] = split
     print(json.dumps(result, indent=2))
     return result

@@ -42,6 +42,9 @@ def test_side_by_side_prints_every_side_and_the_analyses(capsys):
     for key in ("step_ms", "forward_ms", "logits_ms", "execute_ms", "engine_overhead_fraction"):
         assert key in split
     assert 0 < split["forward_ms"] <= split["step_ms"]
+    assert split["step_min_ms"] <= split["step_median_ms"]
+    assert floor["ms"] <= floor["median_ms"]
+    assert split["step_to_floor_best"] == pytest.approx(split["step_min_ms"] / floor["ms"], 1e-2)
 
 
 def test_a_missing_vllm_python_is_a_clear_error_exit(tmp_path, capsys):
