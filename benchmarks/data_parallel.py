@@ -20,7 +20,6 @@ object; progress bars go to stderr.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -33,19 +32,10 @@ from pathlib import Path
 import httpx
 
 from conveyor.bench.serve import BenchRequest, add_arguments, bench, run
+from conveyor.bench.sibling import load_sibling
 
-_HERE = Path(__file__).resolve().parent
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", _HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-side_by_side = _load("side_by_side")
-serve = _load("serve")
+side_by_side = load_sibling(__file__, "side_by_side")
+serve = load_sibling(__file__, "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

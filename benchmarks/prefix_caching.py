@@ -29,21 +29,17 @@ demo model. stdout has one JSON object; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from conveyor import LLM, SamplingParams
+from conveyor.bench.sibling import load_sibling
 
-_SIDE_BY_SIDE = Path(__file__).resolve().parent / "side_by_side.py"
-_SPEC = importlib.util.spec_from_file_location("bench_side_by_side", _SIDE_BY_SIDE)
-side_by_side = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(side_by_side)
+side_by_side = load_sibling(__file__, "side_by_side")
 
 SIDES = {"caching_on": True, "caching_off": False}
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -43,12 +42,10 @@ import torch
 import transformers
 
 from conveyor import LLM, SamplingParams
+from conveyor.bench.sibling import load_sibling
 from conveyor.model.demo import demo_model_path
 
-_THROUGHPUT = Path(__file__).resolve().parent / "throughput.py"
-_SPEC = importlib.util.spec_from_file_location("bench_throughput", _THROUGHPUT)
-throughput = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(throughput)
+throughput = load_sibling(__file__, "throughput")
 
 SHAPES: dict[str, dict] = {
     "tiny3": dict(

@@ -20,29 +20,18 @@ waiting for the other rank to reach the same collective), against the step's tim
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 import transformers
 
 from conveyor import LLM, SamplingParams
+from conveyor.bench.sibling import load_sibling
 
-_HERE = Path(__file__).resolve().parent
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", _HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-throughput = _load("throughput")
-side_by_side = _load("side_by_side")
+throughput = load_sibling(__file__, "throughput")
+side_by_side = load_sibling(__file__, "side_by_side")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
