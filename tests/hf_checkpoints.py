@@ -96,11 +96,13 @@ def greedy_reference(
     prompts: list[list[int]],
     max_tokens: list[int],
     with_scores: bool = False,
+    ignore_eos: bool = False,
 ) -> list[Any]:
     """transformers' greedy tokens for each prompt alone, with an explicit attention mask
     (without one, generate masks every token equal to pad_token_id).
 
     with_scores: each entry is (tokens, [fp32 logits of each step]) for `agree_until_a_near_tie`.
+    ignore_eos: always make max_tokens tokens (min_new_tokens), as SamplingParams(ignore_eos).
     """
     expected: list[Any] = []
     with torch.no_grad():
@@ -109,6 +111,7 @@ def greedy_reference(
                 torch.tensor([ids]),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=m,
+                min_new_tokens=m if ignore_eos else None,
                 do_sample=False,
                 output_scores=with_scores,
                 return_dict_in_generate=True,

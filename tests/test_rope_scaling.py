@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 import transformers
-from tests.hf_checkpoints import write_checkpoint
+from tests.hf_checkpoints import greedy_reference, write_checkpoint
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.layers import RotaryEmbedding
@@ -56,13 +56,7 @@ def test_rope_scaling_matches_transformers_past_the_original_context(
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (20, 45, 90)]
     max_tokens = 40  # the first prompt crosses position 32 while decoding
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    want = []
-    for ids in prompts:
-        out = hf.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-        )  # fmt: skip
-        want.append(out[0, len(ids) :].tolist())
+    want = greedy_reference(hf, prompts, [max_tokens] * len(prompts), ignore_eos=True)
     llm = LLM(str(path), num_kv_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -91,13 +85,7 @@ def test_dynamic_ntk_matches_transformers_past_the_original_context(dynamic_llam
     rng = random.Random(9)
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (31, 12, 20)]
     max_tokens = 60
-    want = []
-    for ids in prompts:
-        out = hf.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-        )  # fmt: skip
-        want.append(out[0, len(ids) :].tolist())
+    want = greedy_reference(hf, prompts, [max_tokens] * len(prompts), ignore_eos=True)
     llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=8)
     assert llm.llm_engine.max_model_len == 4 * ORIGINAL  # factor x the original context
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
