@@ -77,9 +77,7 @@ class SjfPolicy(SchedulingPolicy):
         index = self._index
         if index is None:
             return self.order_waiting(waiting, now, running)
-        index.promote(now)
-        limit = max(limit, 0)
-        out = [e[-1] for e in index.overdue[:limit]]
+        out, limit = _overdue_first(index, now, limit)
         if len(out) < limit:
             out.extend(itertools.islice(index.merged(self.rank_key(now)), limit - len(out)))
         return out
@@ -192,9 +190,7 @@ class LengthAwarePolicy(SjfPolicy):
         index = self._index
         if index is None:
             return self.order_waiting(waiting, now, running)
-        index.promote(now)
-        limit = max(limit, 0)
-        out = [e[-1] for e in index.overdue[:limit]]
+        out, limit = _overdue_first(index, now, limit)
         rest_n = len(index) - len(index.overdue)
         if len(out) >= limit or not rest_n:
             return out
@@ -237,6 +233,14 @@ class LengthAwarePolicy(SjfPolicy):
             batch_sum += remaining(pick)
             batch_n += 1
         return order
+
+
+def _overdue_first(index: RankIndex, now: float, limit: int) -> tuple[list[Sequence], int]:
+    """The index brought to time `now`, its overdue requests first: (the first `limit` of
+    them, limit clamped at 0)."""
+    index.promote(now)
+    limit = max(limit, 0)
+    return [e[-1] for e in index.overdue[:limit]], limit
 
 
 def _arrival_deadline(r: Sequence) -> tuple[float, float]:
