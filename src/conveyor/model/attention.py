@@ -161,13 +161,13 @@ class TorchAttentionBackend(AttentionBackend):
         return paged_attention(q, k, v, kv_cache, meta, scale, window)
 
 
-class CpuAttentionBackend(AttentionBackend):
+class CpuAttentionBackend(TorchAttentionBackend):
     """CPU: decode rows and prefill chunks through a C kernel that reads K/V in place from
     the paged cache (conveyor.model.cpu_kernels), long chunks through SDPA as in the torch
     reference (conveyor.model.cpu_attention says where the line is).
 
     Float32 caches only; int8 or other dtypes, or a machine where the kernel cannot be built
-    (no C compiler), run the torch reference instead.
+    (no C compiler), run the torch reference backend it extends instead.
     """
 
     name = "cpu"
@@ -188,14 +188,14 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        k, v = write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         if (
             self._kernels is None
             or isinstance(kv_cache, QuantizedKVCache)
             or kv_cache.dtype != torch.float32
             or q.dtype != torch.float32
         ):
-            return paged_attention(q, k, v, kv_cache, meta, scale, window)
+            return super().forward(q, k, v, kv_cache, meta, scale, window)
+        k, v = write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         return cpu_paged_attention(q, k, v, kv_cache, meta, scale, self._kernels, window)
 
 
