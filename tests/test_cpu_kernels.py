@@ -67,6 +67,10 @@ def _both(shapes, hq, hkv, d, bs, seed, **kw):
     backend = CpuAttentionBackend(CPU)
     got = backend.forward(q, k, v, cache, meta, d**-0.5)
     (plan,) = meta.backend_state.values()  # the step's one plan (every layer full attention)
+    if isinstance(plan, _CpuPlan):  # the kernel wrote this step's k, v at their slots
+        flat = cache.view(2, -1, hkv, d)
+        assert torch.equal(flat[0, meta.slot_mapping], k)
+        assert torch.equal(flat[1, meta.slot_mapping], v)
     meta.backend_state = None
     want = reference(q, k, v, cache, meta, d**-0.5)  # cache already holds k, v
     return got, want, plan
@@ -163,6 +167,27 @@ def test_kernel_rejects_inputs_it_cannot_read(kernels):
     with pytest.raises(ValueError, match="key range is empty"):
         begin = meta.seq_lens.clone()
         kernels.paged_attention(q, out, cache, *args, key_begin=begin)
+    k = v = torch.randn(2, 2, 16)
+    with pytest.raises(ValueError, match=r"new k must be float32 \[2, 2, 16\]"):
+        kernels.paged_attention(q, out, cache, *args, new_kv=(k[:1], v, meta.slot_mapping))
+    with pytest.raises(ValueError, match="new v needs contiguous heads"):
+        v_t = v.transpose(1, 2).contiguous().transpose(1, 2)
+        kernels.paged_attention(q, out, cache, *args, new_kv=(k, v_t, meta.slot_mapping))
+    num_slots = cache.shape[1] * cache.shape[2]
+    for bad in (-1, num_slots):
+        slots = torch.tensor([0, bad])
+        before = cache.clone()
+        with pytest.raises(ValueError, match=rf"slot is outside \[0, {num_slots}\)"):
+            kernels.paged_attention(q, out, cache, *args, new_kv=(k, v, slots))
+        assert torch.equal(cache.view(2, -1, 2, 16)[:, 0], torch.stack([k[0], v[0]]))
+        assert torch.equal(cache.view(2, -1, 2, 16)[:, 1:], before.view(2, -1, 2, 16)[:, 1:])
+
+
+def test_the_kernel_writes_new_kv_when_every_chunk_goes_to_sdpa(kernels, monkeypatch):
+    monkeypatch.setattr(cpu_attention, "SDPA_MIN_CHUNK", 1)
+    got, want, plan = _both([(3, 9), (5, 5)], 4, 2, 16, 4, 2)
+    assert plan.rows.numel() == 0 and len(plan.chunks) == 2
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
 def test_the_build_is_cached_per_source_and_compiler(kernels, tmp_path, monkeypatch):

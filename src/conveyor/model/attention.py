@@ -195,7 +195,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             or q.dtype != torch.float32
         ):
             return super().forward(q, k, v, kv_cache, meta, scale, window)
-        k, v = write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        # The kernel writes this step's K/V into the cache itself, before it attends.
         return cpu_paged_attention(q, k, v, kv_cache, meta, scale, self._kernels, window)
 
 

@@ -6,7 +6,7 @@ square is large.
 
 In the kernel a row attends to its own context: a decode row to its request's whole
 context, the token at position p of a prefill chunk to positions 0..p (causal), the chunk's
-own K/V included (the backend writes them to the cache first); in a sliding-window layer
+own K/V included (the kernel writes them to the cache first, in the same call); in a sliding-window layer
 of window W, to positions p - W + 1 .. p. So there are no length groups, masks or gathers:
 a long request in a batch of short ones costs only its own work.
 """
@@ -83,8 +83,9 @@ def cpu_paged_attention(
     kernels: CpuKernels,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Paged attention over one mixed varlen batch; the same contract as
-    torch_attention.paged_attention, for a float32 cache that already holds this step's K/V.
+    """Paged attention over one mixed varlen batch for a float32 cache: writes this step's
+    k, v [T, Hkv, D] into kv_cache at meta.slot_mapping (in the kernel's call, before any row
+    attends), then the contract of torch_attention.paged_attention.
     window: the layer's sliding window (None: the whole context).
 
     Returns:
@@ -95,18 +96,19 @@ def cpu_paged_attention(
     )
     t, hq, d = q.shape
     out = q.new_empty(t, hq, d)
-    if plan.rows.numel():
-        kernels.paged_attention(
-            q,
-            out,
-            kv_cache,
-            meta.block_tables,
-            plan.rows,
-            plan.batch,
-            plan.key_end,
-            plan.max_keys,
-            scale,
-            plan.key_begin,
-        )
+    k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (k, v))
+    kernels.paged_attention(  # with no rows (every chunk long) it only writes the new K/V
+        q,
+        out,
+        kv_cache,
+        meta.block_tables,
+        plan.rows,
+        plan.batch,
+        plan.key_end,
+        plan.max_keys,
+        scale,
+        plan.key_begin,
+        new_kv=(k, v, meta.slot_mapping),
+    )
     attend_chunks(q, k, v, kv_cache, plan.chunks, out, scale)
     return out.view(t, hq * d)

@@ -43,7 +43,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ATTENTION_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
-_ATTENTION_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32]
+_ATTENTION_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32, _P, _I64, _P, _I64, _P, _I64, _I64]
 _NORM_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I32, _F32, _I32]
 _ROTARY_ARGS = [_P, _I64, _I64, _I32, _I32, _P, _P, _I32]
 _SILU_MUL_ARGS = [_P, _I64, _P, _I64, _I64, _I32, _I32]
@@ -169,8 +169,10 @@ class CpuKernels:
         max_keys: int,
         scale: float,
         key_begin: torch.Tensor | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Attention of single query rows over their paged context, written into out.
+        """Attention of single query rows over their paged context, written into out; first
+        (same call, same threads) the step's new K/V rows into the cache when new_kv is given.
 
         Args:
             q: float32 [T, Hq, D] (rows contiguous); out: float32 [T, Hq, D], same strides.
@@ -181,8 +183,14 @@ class CpuKernels:
                 context length; a prefill token at position p: p + 1).
             max_keys: >= key_end[i] - key_begin[i] for every i (sizes the work buffers).
             key_begin: int32 [n] each row's first key position; None: 0.
+            new_kv: (k, v, slots): float32 k, v [T', Hkv, D] (heads contiguous, any token
+                stride) written at the flat cache slots int64 [T'] before any row attends,
+                so the rows see them (a prefill chunk's own keys).
+        Raises:
+            ValueError: tensors that do not fit, a row's key range outside [1, max_keys], or
+                a slot outside the cache (the other tokens are still written).
         """
-        _, _, block_size, hkv, d = kv_cache.shape
+        _, nb, block_size, hkv, d = kv_cache.shape
         _, hq, qd = q.shape
         if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
             raise ValueError("paged_attention runs float32 only.")
@@ -201,8 +209,22 @@ class CpuKernels:
         if (rows.dtype, batch.dtype) != (torch.int64, torch.int64):
             raise ValueError("rows and batch are int64.")
         n = rows.numel()
-        if any(x.shape != (n,) or x.stride(0) != 1 for x in (rows, batch, *ends)):
+        if any(x.shape != (n,) or (n and x.stride(0) != 1) for x in (rows, batch, *ends)):
             raise ValueError("rows, batch, key_end and key_begin need one contiguous entry a row.")
+        k_new = v_new = slots = None
+        n_new = k_stride = v_stride = 0
+        if new_kv is not None:
+            k_new, v_new, slots = new_kv
+            n_new = slots.numel()
+            for name, x in (("k", k_new), ("v", v_new)):
+                if x.dtype != torch.float32 or x.shape != (n_new, hkv, d):
+                    raise ValueError(f"new {name} must be float32 [{n_new}, {hkv}, {d}].")
+                if x.stride(2) != 1 or x.stride(1) != d:
+                    raise ValueError(f"new {name} needs contiguous heads, got {x.stride()}.")
+            if slots.dtype != torch.int64 or slots.stride(0) != 1:
+                raise ValueError("slots must be a contiguous int64 tensor.")
+            k_stride, v_stride = k_new.stride(0), v_new.stride(0)
+            k_new, v_new, slots = k_new.data_ptr(), v_new.data_ptr(), slots.data_ptr()
         failed = self._attend(
             q.data_ptr(),
             q.stride(0),
@@ -224,7 +246,16 @@ class CpuKernels:
             max_keys,
             scale,
             torch.get_num_threads(),
+            k_new,
+            k_stride,
+            v_new,
+            v_stride,
+            slots,
+            n_new,
+            nb * block_size,
         )
+        if failed & 4:
+            raise ValueError(f"a new token's cache slot is outside [0, {nb * block_size}).")
         if failed & 2:
             raise ValueError(f"a row's key range is empty, negative or longer than {max_keys}.")
         if failed:

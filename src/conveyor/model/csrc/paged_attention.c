@@ -179,17 +179,49 @@ static void task_generic(const float *qh, float *oh, const float *k, const float
     }
 }
 
-/* Returns 0; 1 when a work buffer could not be allocated, 2 when a row's key range is empty
- * or longer than max_keys (out is then incomplete). */
+/* Copies this step's new K and V rows into the cache: token t's Hkv x D floats go to slot
+ * slots[t] (a flat index over num_blocks x block_size). Run before any row attends, so a
+ * prefill token sees the keys of its own chunk. */
+static int write_new_kv(float *k_cache, float *v_cache, const float *new_k, int64_t k_stride,
+                        const float *new_v, int64_t v_stride, const int64_t *slots,
+                        int64_t n_new, int64_t num_slots, int64_t stride)
+{
+    int failed = 0;
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_new; t++) {
+        if (slots[t] < 0 || slots[t] >= num_slots) {
+            failed = 4;
+            continue;
+        }
+        memcpy(k_cache + slots[t] * stride, new_k + t * k_stride, sizeof(float) * (size_t)stride);
+        memcpy(v_cache + slots[t] * stride, new_v + t * v_stride, sizeof(float) * (size_t)stride);
+    }
+    return failed;
+}
+
+/* Returns 0, or a sum of: 1 when a work buffer could not be allocated, 2 when a row's key
+ * range is empty or longer than max_keys (out is then incomplete), 4 when a new token's slot
+ * is outside [0, num_slots) (that token is not written).
+ *
+ * Work is split over OpenMP threads by (row, KV head) tasks. With at least two rows a thread,
+ * a thread takes all of a row's KV heads in turn, so it reads each token's whole cache row
+ * (Hkv x D contiguous floats) rather than a quarter of it at a 1 KiB stride while the other
+ * thread reads the rest: measured 5-25 % faster once the cache is out of L3 (the in-situ
+ * case, where each layer's weights stream through between two attention calls). With fewer
+ * rows than threads the heads are split, so a lone decode still uses every thread. */
 int conveyor_paged_attention_f32(
     const float *q, int64_t q_row_stride,     /* [*, Hq * D]: query row rows[i] */
     float *out, int64_t out_row_stride,       /* written at the same rows */
-    const float *k_cache, const float *v_cache,
+    float *k_cache, float *v_cache,
     const int32_t *block_tables, int64_t bt_stride,
     const int32_t *key_begin,                 /* [n] first key of row i, or NULL: 0 */
     const int32_t *key_end,                   /* [n] one past its last key (> key_begin) */
     const int64_t *rows, const int64_t *batch, int64_t n, /* row i's block table: batch[i] */
-    int hq, int hkv, int d, int block_size, int max_keys, float scale, int num_threads)
+    int hq, int hkv, int d, int block_size, int max_keys, float scale, int num_threads,
+    const float *new_k, int64_t new_k_stride, /* [n_new, Hkv * D] rows written first */
+    const float *new_v, int64_t new_v_stride,
+    const int64_t *slots, int64_t n_new,      /* [n_new] their cache slots */
+    int64_t num_slots)                        /* num_blocks x block_size */
 {
     const int g = hq / hkv;
     const int64_t stride = (int64_t)hkv * d; /* floats from one token's row to the next */
@@ -202,31 +234,38 @@ int conveyor_paged_attention_f32(
         float *acc = malloc(sizeof(float) * (size_t)d);
         const int ok = scores && slot && acc;
         failed |= !ok;
-        #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; i++) {
-            for (int h = 0; h < hkv; h++) {
-                if (!ok) continue;
-                const int32_t *table = block_tables + batch[i] * bt_stride;
-                const int lo = key_begin ? key_begin[i] : 0, len = key_end[i] - lo;
-                if (lo < 0 || len < 1 || len > max_keys) {
-                    failed |= 2;
-                    continue;
-                }
+        failed |= write_new_kv(k_cache, v_cache, new_k, new_k_stride, new_v, new_v_stride, slots,
+                               n_new, num_slots, stride); /* ends in a barrier */
+        const int64_t chunk = n >= 2 * (int64_t)num_threads ? hkv : 1;
+        int64_t slots_of = -1; /* the row whose slots `slot` holds */
+        #pragma omp for schedule(dynamic, chunk)
+        for (int64_t task = 0; task < n * hkv; task++) {
+            const int64_t i = task / hkv;
+            const int h = (int)(task % hkv);
+            if (!ok) continue;
+            const int32_t *table = block_tables + batch[i] * bt_stride;
+            const int lo = key_begin ? key_begin[i] : 0, len = key_end[i] - lo;
+            if (lo < 0 || len < 1 || len > max_keys) {
+                failed |= 2;
+                continue;
+            }
+            if (slots_of != i) {
                 for (int j = 0; j < len; j++) {
                     const int p = lo + j;
                     slot[j] = (int64_t)table[p / block_size] * block_size + p % block_size;
                 }
-                const float *qh = q + rows[i] * q_row_stride + (int64_t)h * g * d;
-                float *oh = out + rows[i] * out_row_stride + (int64_t)h * g * d;
-                const float *k = k_cache + (int64_t)h * d, *v = v_cache + (int64_t)h * d;
-#ifdef CONVEYOR_AVX2
-                if (d % 8 == 0) {
-                    task_avx2(qh, oh, k, v, slot, stride, len, g, d, scale, scores);
-                    continue;
-                }
-#endif
-                task_generic(qh, oh, k, v, slot, stride, len, g, d, scale, scores, acc);
+                slots_of = i;
             }
+            const float *qh = q + rows[i] * q_row_stride + (int64_t)h * g * d;
+            float *oh = out + rows[i] * out_row_stride + (int64_t)h * g * d;
+            const float *k = k_cache + (int64_t)h * d, *v = v_cache + (int64_t)h * d;
+#ifdef CONVEYOR_AVX2
+            if (d % 8 == 0) {
+                task_avx2(qh, oh, k, v, slot, stride, len, g, d, scale, scores);
+                continue;
+            }
+#endif
+            task_generic(qh, oh, k, v, slot, stride, len, g, d, scale, scores, acc);
         }
         free(scores);
         free(slot);
