@@ -11,11 +11,14 @@ its seconds and token count as JSON (model loading is not timed on any side).
 
 The same run also reports, on conveyor's loaded model:
   gemm_floor  every linear of one decode step (each layer's qkv, o, gate_up, down and the
-              lm_head) applied back to back to a [max_num_seqs, in_features] input, best of
-              several repeats: what a decode step costs in GEMMs alone.
+              lm_head) applied back to back to a [max_num_seqs, in_features] input: what a
+              decode step costs in GEMMs alone. One pass runs after each timed step of
+              step_split (interleaved, so both see the same moments of a noisy machine).
   step_split  a steady batch of max_num_seqs decodes driven by LLMEngine.step(): the mean
               wall time of step() against the model's forward (LlamaForCausalLM.forward,
-              timed by forward hooks) and compute_logits, and ModelRunner.execute.
+              timed by forward hooks) and compute_logits, and ModelRunner.execute; and the
+              step against the floor: best / best, median / median, and the median of each
+              step over the floor pass right after it.
 
 The model is --model DIR, or --shape NAME: a random-weight Llama (seeded) written to a temp
 folder with the demo model's tokenizer. stdout has one JSON object; progress goes to stderr.
@@ -35,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -179,12 +182,14 @@ def _linears(model) -> list[tuple[str, object, int]]:
     return out
 
 
-@torch.inference_mode()
-def gemm_floor(model, batch: int, repeats: int = 20) -> dict:
+def floor_pass(model, batch: int) -> Callable[[], float]:
+    """One pass of every linear of a decode step on [batch, in_features] inputs; returns its
+    seconds when called."""
     linears = _linears(model)
     dtype = next(model.parameters()).dtype
     inputs = {n: torch.randn(batch, n, dtype=dtype) for n in {k for _, _, k in linears}}
 
+    @torch.inference_mode()
     def once() -> float:
         start = time.perf_counter()
         for _, f, k in linears:
@@ -193,20 +198,26 @@ def gemm_floor(model, batch: int, repeats: int = 20) -> dict:
 
     for _ in range(3):
         once()
-    times = [once() for _ in range(repeats)]
+    return once
+
+
+def gemm_floor(model, batch: int, times: list[float]) -> dict:
+    """The floor from `times`, seconds of floor_pass runs (interleaved with the steps)."""
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, m = cfg.hidden_size, cfg.intermediate_size
     per_layer = h * (q + 2 * kv) + q * h + h * 2 * m + m * h
     weights = cfg.num_hidden_layers * per_layer + h * cfg.vocab_size
     best = min(times)
+    linears = _linears(model)
     return {
         "measured": "each layer's qkv, o, gate_up, down + lm_head of conveyor's loaded model, "
-        "back to back on a [batch, in_features] input; best of repeats (and their median)",
+        "back to back on a [batch, in_features] input, one pass after each timed step of "
+        "step_split; best of them (and their median)",
         "batch": batch,
         "num_linears": len(linears),
         "linear_type": type(linears[0][1]).__name__,
-        "repeats": repeats,
+        "repeats": len(times),
         "seconds": round(best, 6),
         "ms": round(best * 1e3, 3),
         "median_ms": round(statistics.median(times) * 1e3, 3),
@@ -215,8 +226,18 @@ def gemm_floor(model, batch: int, repeats: int = 20) -> dict:
     }
 
 
-def step_split(llm: LLM, batch: int, prompt_len: int, vocab: int, warm: int, steps: int) -> dict:
-    """Mean step() vs forward time over `steps` steps of `batch` steady decodes."""
+def step_split(
+    llm: LLM,
+    batch: int,
+    prompt_len: int,
+    vocab: int,
+    warm: int,
+    steps: int,
+    between: Callable[[], float] | None = None,
+) -> tuple[dict, list[float]]:
+    """Mean step() vs forward time over `steps` steps of `batch` steady decodes. `between`
+    (the floor pass) runs after each timed step, so that both see the same moments of a noisy
+    machine; its seconds come back with the split."""
     engine = llm.llm_engine
     runner = engine.runner
     model = runner.model
@@ -254,13 +275,15 @@ def step_split(llm: LLM, batch: int, prompt_len: int, vocab: int, warm: int, ste
     h1 = model.register_forward_pre_hook(pre)
     h2 = model.register_forward_hook(post)
     model.compute_logits, runner.execute = logits, execute
-    step_times, tokens_ok = [], True
+    step_times, between_times, tokens_ok = [], [], True
     try:
         for _ in range(steps):
             s = time.perf_counter()
             engine.step()
             step_times.append(time.perf_counter() - s)
             tokens_ok &= engine.last_step_num_tokens == batch
+            if between is not None:
+                between_times.append(between())
     finally:
         h1.remove()
         h2.remove()
@@ -270,7 +293,7 @@ def step_split(llm: LLM, batch: int, prompt_len: int, vocab: int, warm: int, ste
     per = {k: v / steps for k, v in acc.items()}
     step = sum(step_times) / steps
     model_s = per["forward"] + per["logits"]
-    return {
+    split = {
         "measured": (
             "mean wall time per LLMEngine.step() over steady steps of `batch` decodes (one "
             "token each), against LlamaForCausalLM.forward (forward hooks: decoder layers + "
@@ -291,6 +314,10 @@ def step_split(llm: LLM, batch: int, prompt_len: int, vocab: int, warm: int, ste
         "overhead_outside_forward_and_logits_fraction": round((step - model_s) / step, 3),
         "outside_runner_execute_fraction": round((step - per["execute"]) / step, 3),
     }
+    if between_times:  # step i against the floor pass right after it
+        paired = [a / b for a, b in zip(step_times, between_times, strict=True)]
+        split["step_to_floor_paired_median"] = round(statistics.median(paired), 3)
+    return split, between_times
 
 
 def _check_vllm_python(p: argparse.ArgumentParser, python: str) -> None:
@@ -417,12 +444,12 @@ def _run(args, model: str, progress: bool) -> dict:
         attention_backend=args.attention_backend,
     )
     runner_model = llm.llm_engine.runner.model
-    result["gemm_floor"] = gemm_floor(runner_model, bs)
-    split = step_split(llm, bs, 64, vocab, warm=4, steps=args.split_steps)
-    floor = result["gemm_floor"]
+    once = floor_pass(runner_model, bs)
+    split, floor_times = step_split(llm, bs, 64, vocab, 4, args.split_steps, between=once)
+    floor = result["gemm_floor"] = gemm_floor(runner_model, bs, floor_times)
     split["gemm_floor_fraction_of_step"] = round(floor["ms"] / split["step_ms"], 3)
-    # Like with like on a noisy machine: the best step against the best floor run, and the
-    # median against the median (the mean step above takes every spike, the floor none).
+    # Like with like on a noisy machine: the best step against the best floor pass, the median
+    # against the median, and (above) each step against the pass right after it.
     split["step_to_floor_best"] = round(split["step_min_ms"] / floor["ms"], 3)
     split["step_to_floor_median"] = round(split["step_median_ms"] / floor["median_ms"], 3)
     result["step_split"] = split

@@ -126,9 +126,8 @@ def test_key_begin_bounds_each_row_from_below(kernels):
     key_begin = torch.tensor([25, 0], dtype=torch.int32)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     q = q.contiguous()
-    kernels.paged_attention(
-        q, out, cache, meta.block_tables, rows, batch, key_end, 40, 0.125, key_begin
-    )
+    checked = kernels.attention_rows(meta.block_tables, rows, batch, key_end, 40, key_begin)
+    kernels.paged_attention(q, out, cache, checked, 0.125)
     for i, (lo, hi) in enumerate([(25, 40), (0, 13)]):
         table = meta.block_tables[i].long()
         kv = cache[:, table].flatten(1, 2)[:, lo:hi]  # [2, keys, Hkv, D]
@@ -150,35 +149,37 @@ def test_kernel_rejects_inputs_it_cannot_read(kernels):
     q, _, _, cache, meta = _batch([(1, 5), (1, 8)], 4, 2, 16, 4, 0)
     rows = batch = torch.arange(2)
     out = torch.empty(2, 4, 16)
-    tail = (rows, batch, meta.seq_lens, 8, 0.25)
-    args = (meta.block_tables, *tail)
+    checked = kernels.attention_rows(meta.block_tables, rows, batch, meta.seq_lens, 8)
     with pytest.raises(ValueError, match="float32 only"):
-        kernels.paged_attention(q.double(), out, cache, *args)
+        kernels.paged_attention(q.double(), out, cache, checked, 0.25)
     with pytest.raises(ValueError, match="contiguous heads"):
-        kernels.paged_attention(q.transpose(0, 1).contiguous().transpose(0, 1), out, cache, *args)
+        q_t = q.transpose(0, 1).contiguous().transpose(0, 1)
+        kernels.paged_attention(q_t, out, cache, checked, 0.25)
     with pytest.raises(ValueError, match="int32"):
-        kernels.paged_attention(q, out, cache, meta.block_tables.long(), *tail)
+        kernels.attention_rows(meta.block_tables.long(), rows, batch, meta.seq_lens, 8)
     with pytest.raises(ValueError, match="one contiguous entry a row"):
-        kernels.paged_attention(q, out, cache, meta.block_tables, rows, batch[:1], *tail[2:])
+        kernels.attention_rows(meta.block_tables, rows, batch[:1], meta.seq_lens, 8)
     with pytest.raises(ValueError, match="shapes do not fit"):
-        kernels.paged_attention(q, torch.empty(2, 4, 8), cache, *args)
+        kernels.paged_attention(q, torch.empty(2, 4, 8), cache, checked, 0.25)
     with pytest.raises(ValueError, match="longer than 7"):  # would overrun the work buffers
-        kernels.paged_attention(q, out, cache, meta.block_tables, rows, batch, meta.seq_lens, 7, 1)
+        short = kernels.attention_rows(meta.block_tables, rows, batch, meta.seq_lens, 7)
+        kernels.paged_attention(q, out, cache, short, 1)
     with pytest.raises(ValueError, match="key range is empty"):
         begin = meta.seq_lens.clone()
-        kernels.paged_attention(q, out, cache, *args, key_begin=begin)
+        empty = kernels.attention_rows(meta.block_tables, rows, batch, meta.seq_lens, 8, begin)
+        kernels.paged_attention(q, out, cache, empty, 0.25)
     k = v = torch.randn(2, 2, 16)
     with pytest.raises(ValueError, match=r"new k must be float32 \[2, 2, 16\]"):
-        kernels.paged_attention(q, out, cache, *args, new_kv=(k[:1], v, meta.slot_mapping))
+        kernels.paged_attention(q, out, cache, checked, 0.25, (k[:1], v, meta.slot_mapping))
     with pytest.raises(ValueError, match="new v needs contiguous heads"):
         v_t = v.transpose(1, 2).contiguous().transpose(1, 2)
-        kernels.paged_attention(q, out, cache, *args, new_kv=(k, v_t, meta.slot_mapping))
+        kernels.paged_attention(q, out, cache, checked, 0.25, (k, v_t, meta.slot_mapping))
     num_slots = cache.shape[1] * cache.shape[2]
     for bad in (-1, num_slots):
         slots = torch.tensor([0, bad])
         before = cache.clone()
         with pytest.raises(ValueError, match=rf"slot is outside \[0, {num_slots}\)"):
-            kernels.paged_attention(q, out, cache, *args, new_kv=(k, v, slots))
+            kernels.paged_attention(q, out, cache, checked, 0.25, (k, v, slots))
         assert torch.equal(cache.view(2, -1, 2, 16)[:, 0], torch.stack([k[0], v[0]]))
         assert torch.equal(cache.view(2, -1, 2, 16)[:, 1:], before.view(2, -1, 2, 16)[:, 1:])
 

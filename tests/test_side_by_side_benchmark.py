@@ -45,6 +45,7 @@ def test_side_by_side_prints_every_side_and_the_analyses(capsys):
     assert split["step_min_ms"] <= split["step_median_ms"]
     assert floor["ms"] <= floor["median_ms"]
     assert split["step_to_floor_best"] == pytest.approx(split["step_min_ms"] / floor["ms"], 1e-2)
+    assert floor["repeats"] == 3 and split["step_to_floor_paired_median"] > 0  # one pass a step
 
 
 def test_a_missing_vllm_python_is_a_clear_error_exit(tmp_path, capsys):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from conveyor.model.cpu_kernels import CpuKernels
+from conveyor.model.cpu_kernels import AttentionRows, CpuKernels
 from conveyor.model.torch_attention import _Chunk, attend_chunks, plan_chunks, step_plan
 
 if TYPE_CHECKING:
@@ -41,10 +41,15 @@ class _CpuPlan:
     key_end: torch.Tensor  # int32 [n]: its position + 1 (causal)
     max_keys: int
     chunks: list[_Chunk]  # the chunks of SDPA_MIN_CHUNK or more tokens
+    kernel_rows: AttentionRows  # rows, batch, key_begin, key_end as the kernel takes them
 
 
 def _make_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int | None
+    meta: AttentionMetadata,
+    block_size: int,
+    dtype: torch.dtype,
+    window: int | None,
+    kernels: CpuKernels,
 ) -> _CpuPlan:
     q_lens = np.asarray(meta.query_lens_cpu, dtype=np.int64)
     s_lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
@@ -63,13 +68,18 @@ def _make_plan(
     if window is not None:
         key_begin = np.maximum(key_end - window, 0)
         max_keys = min(max_keys, window)
+    row_ids, row_batch = torch.from_numpy(rows).to(device), torch.from_numpy(batch[rows]).to(device)
+    begin_t = None if key_begin is None else ints(key_begin)
+    end_t = ints(key_end)
+    checked = kernels.attention_rows(meta.block_tables, row_ids, row_batch, end_t, max_keys, begin_t)
     return _CpuPlan(
-        torch.from_numpy(rows).to(device),
-        torch.from_numpy(batch[rows]).to(device),
-        None if key_begin is None else ints(key_begin),
-        ints(key_end),
+        row_ids,
+        row_batch,
+        begin_t,
+        end_t,
         max_keys,
         plan_chunks(meta, block_size, dtype, window, min_query_len=SDPA_MIN_CHUNK),
+        checked,
     )
 
 
@@ -92,23 +102,15 @@ def cpu_paged_attention(
         [T, Hq * D] attention output, rows in token order.
     """
     plan = step_plan(
-        meta, window, _CpuPlan, lambda: _make_plan(meta, kv_cache.shape[2], q.dtype, window)
+        meta,
+        window,
+        _CpuPlan,
+        lambda: _make_plan(meta, kv_cache.shape[2], q.dtype, window, kernels),
     )
     t, hq, d = q.shape
     out = q.new_empty(t, hq, d)
     k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (k, v))
-    kernels.paged_attention(  # with no rows (every chunk long) it only writes the new K/V
-        q,
-        out,
-        kv_cache,
-        meta.block_tables,
-        plan.rows,
-        plan.batch,
-        plan.key_end,
-        plan.max_keys,
-        scale,
-        plan.key_begin,
-        new_kv=(k, v, meta.slot_mapping),
-    )
+    # With no rows (every chunk long) it only writes the new K/V.
+    kernels.paged_attention(q, out, kv_cache, plan.kernel_rows, scale, (k, v, meta.slot_mapping))
     attend_chunks(q, k, v, kv_cache, plan.chunks, out, scale)
     return out.view(t, hq * d)

@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -157,18 +158,54 @@ class CpuKernels:
         )
         return out
 
-    def paged_attention(
+    def attention_rows(
         self,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        kv_cache: torch.Tensor,
         block_tables: torch.Tensor,
         rows: torch.Tensor,
         batch: torch.Tensor,
         key_end: torch.Tensor,
         max_keys: int,
-        scale: float,
         key_begin: torch.Tensor | None = None,
+    ) -> AttentionRows:
+        """The query rows of one step's paged attention, checked here once for every layer.
+
+        Args:
+            block_tables: int32 [B, max_blocks].
+            rows: int64 [n] the query rows to attend; batch: int64 [n] each one's table row.
+            key_end: int32 [n] one past each row's last key position (a decode row: its
+                context length; a prefill token at position p: p + 1).
+            max_keys: >= key_end[i] - key_begin[i] for every i (sizes the work buffers; the
+                kernel refuses a row past it).
+            key_begin: int32 [n] each row's first key position; None: 0.
+        """
+        ends = (key_end,) if key_begin is None else (key_end, key_begin)
+        if block_tables.dtype != torch.int32 or any(e.dtype != torch.int32 for e in ends):
+            raise ValueError("block_tables, key_end and key_begin are int32.")
+        if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+            raise ValueError("block_tables rows must be contiguous.")
+        if (rows.dtype, batch.dtype) != (torch.int64, torch.int64):
+            raise ValueError("rows and batch are int64.")
+        n = rows.numel()
+        if any(x.shape != (n,) or (n and x.stride(0) != 1) for x in (rows, batch, *ends)):
+            raise ValueError("rows, batch, key_end and key_begin need one contiguous entry a row.")
+        args = (
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            None if key_begin is None else key_begin.data_ptr(),
+            key_end.data_ptr(),
+            rows.data_ptr(),
+            batch.data_ptr(),
+            n,
+        )
+        return AttentionRows(n, max_keys, args, (block_tables, rows, batch, *ends))
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: torch.Tensor,
+        rows: AttentionRows,
+        scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Attention of single query rows over their paged context, written into out; first
@@ -177,12 +214,7 @@ class CpuKernels:
         Args:
             q: float32 [T, Hq, D] (rows contiguous); out: float32 [T, Hq, D], same strides.
             kv_cache: float32 [2, num_blocks, block_size, Hkv, D], contiguous.
-            block_tables: int32 [B, max_blocks].
-            rows: int64 [n] the query rows to attend; batch: int64 [n] each one's table row.
-            key_end: int32 [n] one past each row's last key position (a decode row: its
-                context length; a prefill token at position p: p + 1).
-            max_keys: >= key_end[i] - key_begin[i] for every i (sizes the work buffers).
-            key_begin: int32 [n] each row's first key position; None: 0.
+            rows: which rows attend which keys (attention_rows, once a step).
             new_kv: (k, v, slots): float32 k, v [T', Hkv, D] (heads contiguous, any token
                 stride) written at the flat cache slots int64 [T'] before any row attends,
                 so the rows see them (a prefill chunk's own keys).
@@ -201,16 +233,8 @@ class CpuKernels:
         for name, x in (("q", q), ("out", out)):
             if x.stride(2) != 1 or x.stride(1) != d:
                 raise ValueError(f"{name} needs contiguous heads, got strides {x.stride()}.")
-        if not kv_cache.is_contiguous() or block_tables.stride(1) != 1:
-            raise ValueError("kv_cache and block_tables rows must be contiguous.")
-        ends = (key_end,) if key_begin is None else (key_end, key_begin)
-        if block_tables.dtype != torch.int32 or any(e.dtype != torch.int32 for e in ends):
-            raise ValueError("block_tables, key_end and key_begin are int32.")
-        if (rows.dtype, batch.dtype) != (torch.int64, torch.int64):
-            raise ValueError("rows and batch are int64.")
-        n = rows.numel()
-        if any(x.shape != (n,) or (n and x.stride(0) != 1) for x in (rows, batch, *ends)):
-            raise ValueError("rows, batch, key_end and key_begin need one contiguous entry a row.")
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous.")
         k_new = v_new = slots = None
         n_new = k_stride = v_stride = 0
         if new_kv is not None:
@@ -225,25 +249,20 @@ class CpuKernels:
                 raise ValueError("slots must be a contiguous int64 tensor.")
             k_stride, v_stride = k_new.stride(0), v_new.stride(0)
             k_new, v_new, slots = k_new.data_ptr(), v_new.data_ptr(), slots.data_ptr()
+        k_cache = kv_cache.data_ptr()
         failed = self._attend(
             q.data_ptr(),
             q.stride(0),
             out.data_ptr(),
             out.stride(0),
-            kv_cache[0].data_ptr(),
-            kv_cache[1].data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.stride(0),
-            None if key_begin is None else key_begin.data_ptr(),
-            key_end.data_ptr(),
-            rows.data_ptr(),
-            batch.data_ptr(),
-            n,
+            k_cache,
+            k_cache + 4 * kv_cache.stride(0),  # V: the second half, float32
+            *rows.args,
             hq,
             hkv,
             d,
             block_size,
-            max_keys,
+            rows.max_keys,
             scale,
             torch.get_num_threads(),
             k_new,
@@ -257,9 +276,21 @@ class CpuKernels:
         if failed & 4:
             raise ValueError(f"a new token's cache slot is outside [0, {nb * block_size}).")
         if failed & 2:
-            raise ValueError(f"a row's key range is empty, negative or longer than {max_keys}.")
+            raise ValueError(
+                f"a row's key range is empty, negative or longer than {rows.max_keys}."
+            )
         if failed:
             raise MemoryError("paged_attention could not allocate its work buffers.")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionRows:
+    """One step's attention rows as the kernel takes them (CpuKernels.attention_rows)."""
+
+    n: int
+    max_keys: int
+    args: tuple  # block_tables, its row stride, key_begin, key_end, rows, batch, n
+    tensors: tuple  # the tensors those pointers point into, kept alive
 
 
 def cache_dir() -> Path:
