@@ -279,6 +279,9 @@ def test_rotary_in_place_matches_apply_rotary(kernels):
     assert torch.equal(qkv[:, 10 * 64 :], v_before)
     with pytest.raises(ValueError, match="outside the rotary table"):
         emb.step(torch.tensor([0, 1, 2, 3, 4, 512]))(qk)
+    rotate = kernels.rotary_step(positions, emb.cos_sin_cache)
+    with pytest.raises(ValueError, match=r"rotary needs float32 \[6, H, 64\]"):
+        rotate(qk[:3])
     # A layout the kernel cannot take (heads not contiguous) goes through apply_rotary.
     strided = torch.randn(64, 6, 10, generator=gen).permute(1, 2, 0)
     torch.testing.assert_close(emb.step(positions)(strided), apply_rotary(strided, cos, sin))

@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,37 +70,45 @@ class CpuKernels:
         self._silu_mul.argtypes = _SILU_MUL_ARGS
         self._silu_mul.restype = None
 
-    @staticmethod
-    def check_positions(positions: torch.Tensor, table_len: int) -> None:
-        """ValueError unless every position is in [0, table_len) (the kernel reads that row)."""
-        if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < table_len:
-            raise ValueError(f"a position is outside the rotary table of {table_len}.")
+    def rotary_step(
+        self, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> Callable[[torch.Tensor], None]:
+        """A function that rotates x [T, H, D] in place (float32, heads contiguous, any token
+        stride) by the rows `positions` (int64 [T]) of cos_sin [max_position, D] ([cos | sin]
+        halves). The positions and the table are checked here, once for every layer of a
+        step (RopeStep); each call checks only its x.
 
-    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
-        """In place: rotate x [T, H, D] (float32, heads contiguous, any token stride) by the
-        rows `positions` (int64 [T]) of cos_sin [max_position, D] ([cos | sin] halves).
-
-        Every position must be a row of cos_sin (check_positions; RopeStep checks a step's
-        positions once for all its layers)."""
-        t, h, d = x.shape
-        if x.dtype != torch.float32 or cos_sin.dtype != torch.float32:
-            raise ValueError("rotary_ runs float32 only.")
-        if x.stride(2) != 1 or x.stride(1) != d or cos_sin.shape[1] != d or d % 2:
-            raise ValueError(f"rotary_ needs contiguous even-sized heads, got {x.stride()}.")
+        Raises:
+            ValueError: a position outside the table, or tensors the kernel cannot read.
+        """
+        t = positions.numel()
+        if cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or not cos_sin.is_contiguous():
+            raise ValueError("cos_sin must be a contiguous float32 [max_position, D] table.")
+        table_len, d = cos_sin.shape
+        if d % 2:
+            raise ValueError(f"rotary heads must be even-sized, got {d}.")
         if positions.dtype != torch.int64 or positions.shape != (t,) or positions.stride(0) != 1:
             raise ValueError("positions must be a contiguous int64 [T] tensor.")
-        if not cos_sin.is_contiguous():
-            raise ValueError("cos_sin must be contiguous.")
-        self._rotary(
-            x.data_ptr(),
-            x.stride(0),
-            t,
-            h,
-            d,
-            positions.data_ptr(),
-            cos_sin.data_ptr(),
-            torch.get_num_threads(),
-        )
+        if t and not 0 <= int(positions.min()) <= int(positions.max()) < table_len:
+            raise ValueError(f"a position is outside the rotary table of {table_len}.")
+
+        def rotate_(x: torch.Tensor) -> None:
+            if x.dtype != torch.float32 or x.dim() != 3 or x.shape[0] != t or x.shape[2] != d:
+                raise ValueError(f"rotary needs float32 [{t}, H, {d}], got {tuple(x.shape)}.")
+            if x.stride(2) != 1 or x.stride(1) != d:
+                raise ValueError(f"rotary needs contiguous heads, got strides {x.stride()}.")
+            self._rotary(
+                x.data_ptr(),
+                x.stride(0),
+                t,
+                x.shape[1],
+                d,
+                positions.data_ptr(),
+                cos_sin.data_ptr(),
+                torch.get_num_threads(),
+            )
+
+        return rotate_
 
     def add_rms_norm_(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -239,7 +239,7 @@ class RopeStep:
         self.emb = emb
         self.positions = positions
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._checked = False  # positions checked against the table (once, for every layer)
+        self._rotate: Any = None  # the C kernel for these positions (checked once, all layers)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k = self.emb.kernels
@@ -249,10 +249,9 @@ class RopeStep:
             and x.stride(2) == 1
             and x.stride(1) == x.shape[2]
         ):
-            if not self._checked:
-                k.check_positions(self.positions, self.emb.cos_sin_cache.shape[0])
-                self._checked = True
-            k.rotary_(x, self.positions, self.emb.cos_sin_cache)
+            if self._rotate is None:
+                self._rotate = k.rotary_step(self.positions, self.emb.cos_sin_cache)
+            self._rotate(x)
             return x
         if self._cos_sin is None:
             self._cos_sin = self.emb(self.positions)

@@ -61,17 +61,15 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, Hq + 2 Hkv, D]
+        v = heads[:, hq + hkv :]
         if self.q_norm is None:
             # One rotary call for q and k heads together (they share cos/sin per token).
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, d)
-            q, k = rope(qk).split([self.num_heads, self.num_kv_heads], 1)
+            q, k = rope(heads[:, : hq + hkv]).split([hq, hkv], 1)
         else:
-            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, d))
-            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d))
-            q, k = rope(q), rope(k)
+            q, k, _ = heads.split([hq, hkv, hkv], 1)
+            q, k = rope(self.q_norm(q)), rope(self.k_norm(k))
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window))
 
 
