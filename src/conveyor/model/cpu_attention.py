@@ -6,9 +6,9 @@ square is large.
 
 In the kernel a row attends to its own context: a decode row to its request's whole
 context, the token at position p of a prefill chunk to positions 0..p (causal), the chunk's
-own K/V included (the kernel writes them to the cache first, in the same call); in a sliding-window layer
-of window W, to positions p - W + 1 .. p. So there are no length groups, masks or gathers:
-a long request in a batch of short ones costs only its own work.
+own K/V included (the kernel writes them to the cache first, in the same call); in a
+sliding-window layer of window W, to positions p - W + 1 .. p. So there are no length groups,
+masks or gathers: a long request in a batch of short ones costs only its own work.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def _make_plan(
     row_ids, row_batch = torch.from_numpy(rows).to(device), torch.from_numpy(batch[rows]).to(device)
     begin_t = None if key_begin is None else ints(key_begin)
     end_t = ints(key_end)
-    checked = kernels.attention_rows(meta.block_tables, row_ids, row_batch, end_t, max_keys, begin_t)
+    checked = kernels.attention_rows(
+        meta.block_tables, row_ids, row_batch, end_t, max_keys, begin_t
+    )
     return _CpuPlan(
         row_ids,
         row_batch,
