@@ -89,7 +89,7 @@ def _both(shapes, hq, hkv, d, bs, seed, **kw):
 )
 def test_decode_rows_match_the_torch_reference(kernels, shapes, hq, hkv, d, bs):
     got, want, plan = _both(shapes, hq, hkv, d, bs, seed=len(shapes) + d)
-    assert isinstance(plan, _CpuPlan) and plan.rows.numel() == len(shapes)
+    assert isinstance(plan, _CpuPlan) and plan.kernel_rows.rows.numel() == len(shapes)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
@@ -103,9 +103,9 @@ def test_mixed_batches_run_every_row_in_the_kernel_causally(kernels, seed):
         n = rng.choice([1, 1, 1, rng.randint(2, 40)])
         shapes.append((n, n + rng.choice([0, rng.randint(1, 50)])))
     got, want, plan = _both(shapes, 6, 2, 32, 4, seed)
-    assert plan.rows.numel() == sum(n for n, _ in shapes) and not plan.chunks  # no SDPA
+    assert plan.kernel_rows.rows.numel() == sum(n for n, _ in shapes) and not plan.chunks  # no SDPA
     positions = [p for n, s in shapes for p in range(s - n, s)]
-    assert plan.key_end.tolist() == [p + 1 for p in positions]
+    assert plan.kernel_rows.key_end.tolist() == [p + 1 for p in positions]
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
@@ -114,7 +114,7 @@ def test_long_chunks_go_to_sdpa_and_the_rest_to_the_kernel(kernels, monkeypatch)
     shapes = [(1, 9), (12, 30), (7, 7), (9, 9), (1, 20)]  # a cached-context and a fresh chunk
     got, want, plan = _both(shapes, 6, 2, 32, 4, 3)
     assert [(c.start, c.end) for c in plan.chunks] == [(1, 13), (20, 29)]
-    assert plan.rows.tolist() == [0, *range(13, 20), 29]
+    assert plan.kernel_rows.rows.tolist() == [0, *range(13, 20), 29]
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
@@ -187,7 +187,7 @@ def test_kernel_rejects_inputs_it_cannot_read(kernels):
 def test_the_kernel_writes_new_kv_when_every_chunk_goes_to_sdpa(kernels, monkeypatch):
     monkeypatch.setattr(cpu_attention, "SDPA_MIN_CHUNK", 1)
     got, want, plan = _both([(3, 9), (5, 5)], 4, 2, 16, 4, 2)
-    assert plan.rows.numel() == 0 and len(plan.chunks) == 2
+    assert plan.kernel_rows.rows.numel() == 0 and len(plan.chunks) == 2
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 

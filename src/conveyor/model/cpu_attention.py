@@ -32,16 +32,10 @@ SDPA_MIN_CHUNK = 512
 
 @dataclass(slots=True)
 class _CpuPlan:
-    """Index tensors derived once per step and window (in the first layer with that window)
-    and reused by the others."""
+    """What every layer with one window reuses in a step (made by the first such layer)."""
 
-    rows: torch.Tensor  # int64 [n]: the token rows the kernel attends
-    batch: torch.Tensor  # int64 [n]: each one's request (batch index, block table row)
-    key_begin: torch.Tensor | None  # int32 [n]: its first visible key (None: 0, no window)
-    key_end: torch.Tensor  # int32 [n]: its position + 1 (causal)
-    max_keys: int
+    kernel_rows: AttentionRows  # the rows the kernel attends, their keys, checked
     chunks: list[_Chunk]  # the chunks of SDPA_MIN_CHUNK or more tokens
-    kernel_rows: AttentionRows  # rows, batch, key_begin, key_end as the kernel takes them
 
 
 def _make_plan(
@@ -68,21 +62,16 @@ def _make_plan(
     if window is not None:
         key_begin = np.maximum(key_end - window, 0)
         max_keys = min(max_keys, window)
-    row_ids, row_batch = torch.from_numpy(rows).to(device), torch.from_numpy(batch[rows]).to(device)
-    begin_t = None if key_begin is None else ints(key_begin)
-    end_t = ints(key_end)
-    checked = kernels.attention_rows(
-        meta.block_tables, row_ids, row_batch, end_t, max_keys, begin_t
-    )
-    return _CpuPlan(
-        row_ids,
-        row_batch,
-        begin_t,
-        end_t,
+    rows_checked = kernels.attention_rows(
+        meta.block_tables,
+        torch.from_numpy(rows).to(device),
+        torch.from_numpy(batch[rows]).to(device),
+        ints(key_end),
         max_keys,
-        plan_chunks(meta, block_size, dtype, window, min_query_len=SDPA_MIN_CHUNK),
-        checked,
+        None if key_begin is None else ints(key_begin),
     )
+    chunks = plan_chunks(meta, block_size, dtype, window, min_query_len=SDPA_MIN_CHUNK)
+    return _CpuPlan(rows_checked, chunks)
 
 
 def cpu_paged_attention(

@@ -206,7 +206,7 @@ class CpuKernels:
             batch.data_ptr(),
             n,
         )
-        return AttentionRows(n, max_keys, args, (block_tables, rows, batch, *ends))
+        return AttentionRows(rows, batch, key_end, key_begin, block_tables, max_keys, args)
 
     def paged_attention(
         self,
@@ -294,12 +294,16 @@ class CpuKernels:
 
 @dataclass(frozen=True, slots=True)
 class AttentionRows:
-    """One step's attention rows as the kernel takes them (CpuKernels.attention_rows)."""
+    """One step's attention rows, checked (CpuKernels.attention_rows), and the kernel's
+    arguments for them; the tensors stay referenced while the pointers are in use."""
 
-    n: int
+    rows: torch.Tensor  # int64 [n]: the query rows the kernel attends
+    batch: torch.Tensor  # int64 [n]: each one's request (block table row)
+    key_end: torch.Tensor  # int32 [n]: one past its last key position
+    key_begin: torch.Tensor | None  # int32 [n]: its first key position (None: 0)
+    block_tables: torch.Tensor
     max_keys: int
     args: tuple  # block_tables, its row stride, key_begin, key_end, rows, batch, n
-    tensors: tuple  # the tensors those pointers point into, kept alive
 
 
 def cache_dir() -> Path:
