@@ -26,7 +26,6 @@ import random
 import signal
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -74,20 +73,6 @@ def start_server(model: str, size: int, args: argparse.Namespace) -> tuple[subpr
     return subprocess.Popen(command), f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server for {url} exited with status {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the server for {url} did not become healthy in {timeout_s} s")
-
-
 def finished_per_replica(url: str, size: int) -> list[float]:
     """Each replica's finished requests so far (the whole server's for size 1)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -127,7 +112,7 @@ def _measure(args: argparse.Namespace, model: str, sizes: list[int]) -> dict:
     rounds: dict[int, list[dict]] = {size: [] for size in sizes}
     try:
         for proc, url in servers.values():
-            wait_healthy(proc, url, args.startup_timeout)
+            serve.wait_healthy(proc, url, args.startup_timeout)
         quiet = argparse.Namespace(**{**vars(args), "result_json": None, "plot": None})
         requests = random_workload(args, model)
         warm = [BenchRequest(r.prompt, 4) for r in requests[: args.max_num_seqs]]

@@ -89,15 +89,26 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(server_command(args, port))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    try:
+        wait_healthy(proc, url, 300)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server for {url} exited with status {proc.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not become healthy")
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the server for {url} did not become healthy in {timeout_s} s")
 
 
 def llm_generate(args: argparse.Namespace, requests: list) -> Callable[[], float]:
