@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
-from pathlib import Path
 
 import httpx
 
@@ -89,23 +87,6 @@ def finished_per_replica(url: str, size: int) -> list[float]:
     return counts
 
 
-def random_workload(args: argparse.Namespace, model: str) -> list[BenchRequest]:
-    """Prompts of random token ids below the checkpoint's vocabulary (the shapes' vocabulary
-    is smaller than their tokenizer's, as in side_by_side.py), lengths within ±range_ratio."""
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    rng = random.Random(args.seed)
-
-    def length(mean: int) -> int:
-        lo, hi = max(1, round(mean * (1 - args.range_ratio))), round(mean * (1 + args.range_ratio))
-        return rng.randint(lo, max(lo, hi))
-
-    return [
-        BenchRequest([rng.randrange(3, vocab) for _ in range(length(args.input_len))],
-                     length(args.output_len))
-        for _ in range(args.num_prompts)
-    ]  # fmt: skip
-
-
 def _measure(args: argparse.Namespace, model: str, sizes: list[int]) -> dict:
     servers = {size: start_server(model, size, args) for size in sizes}
     exit_codes: dict[int, int | None] = {}
@@ -114,7 +95,7 @@ def _measure(args: argparse.Namespace, model: str, sizes: list[int]) -> dict:
         for proc, url in servers.values():
             serve.wait_healthy(proc, url, args.startup_timeout)
         quiet = argparse.Namespace(**{**vars(args), "result_json": None, "plot": None})
-        requests = random_workload(args, model)
+        requests = serve.random_workload(args, model)
         warm = [BenchRequest(r.prompt, 4) for r in requests[: args.max_num_seqs]]
         for _, url in servers.values():
             run(bench(argparse.Namespace(**{**vars(quiet), "base_url": url}), warm))

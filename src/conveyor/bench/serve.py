@@ -129,6 +129,13 @@ def load_jsonl(path: Path, limit: int | None = None) -> list[BenchRequest]:
     return requests[:limit] if limit else requests
 
 
+async def workload(args: argparse.Namespace) -> list[BenchRequest]:
+    """The requests the flags describe: --dataset's lines, else the synthetic workload."""
+    if args.dataset is not None:
+        return load_jsonl(args.dataset, args.num_prompts)
+    return await synthetic_workload(args)
+
+
 def _headers(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
@@ -293,10 +300,7 @@ async def bench(args: argparse.Namespace, requests: list[BenchRequest] | None = 
         async with request(args.base_url, "GET", "/v1/models", None, headers) as resp:
             model = (await resp.json())["data"][0]["id"]
     if requests is None:
-        if args.dataset is not None:
-            requests = load_jsonl(args.dataset, args.num_prompts)
-        else:
-            requests = await synthetic_workload(args)
+        requests = await workload(args)
     bar = tqdm(
         total=len(requests), desc="requests", unit="req", file=sys.stderr, disable=args.disable_tqdm
     )
