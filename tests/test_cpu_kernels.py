@@ -1,5 +1,5 @@
 """The CPU C kernels (paged attention of the "cpu" backend, fused residual + RMSNorm, rotary,
-silu * up) against their torch references, the build cache, and the fallbacks where they
+silu * up, the sampler's argmax) against their torch references, the build cache, and the fallbacks where they
 cannot run."""
 
 from __future__ import annotations
@@ -262,6 +262,9 @@ def test_the_runner_uses_the_c_kernels_with_the_cpu_backend_only(kernels, backen
     mods = [m for m in runner.model.modules() if isinstance(m, kinds)]
     assert {type(m) for m in mods} == set(kinds)
     assert all((m.kernels is not None) == fused for m in mods)
+    # ... and the sampler's argmax (torch's with the "torch" backend)
+    loaded = getattr(runner.sampler.argmax, "__self__", None)
+    assert isinstance(loaded, cpu_kernels.CpuKernels) == fused
 
 
 def test_rotary_in_place_matches_apply_rotary(kernels):
@@ -304,3 +307,54 @@ def test_silu_mul_matches_torch(kernels, rows, inter):
         # bf16 (and any layout the kernel cannot take) stays in torch
         fused.bfloat16(), plain.bfloat16()
         assert torch.equal(fused(x.bfloat16()), plain(x.bfloat16()))
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    cases = [torch.randn(r, c, generator=gen) for r, c in [(1, 1), (1, 7), (3, 15), (3, 16)]]
+    cases += [torch.randn(5, 17, generator=gen), torch.randn(16, 49152, generator=gen)]
+    ties = torch.zeros(6, 40)  # the maximum at several places: lanes, the tail, index 0
+    ties[0, [3, 11, 19]] = 1.0
+    ties[1, [37, 38]] = 1.0  # only in the tail past the vector loop
+    ties[2, [9, 1]] = 1.0  # two lanes, the later lane holds the smaller index
+    ties[3] = float("-inf")  # all -inf: index 0, as torch
+    ties[4, [5, 30]] = float("inf")
+    ties[5] = -1.0
+    ties[5, 7], ties[5, 12] = -0.0, 0.0  # -0.0 == 0.0: the first one wins
+    nans = torch.randn(5, 40, generator=gen)
+    nans[0, 20], nans[1, 38], nans[2, 0] = float("nan"), float("nan"), float("nan")
+    nans[3, [10, 30]] = float("nan")  # the first NaN wins
+    nans[4, 39] = float("nan")
+    wide = torch.randn(4, 100, generator=gen)
+    cases += [ties, nans, wide[:, 3:90], torch.randn(0, 9), torch.randn(300, 512, generator=gen)]
+    return cases
+
+
+def test_argmax_matches_torch_first_maximum_nan_and_layouts(kernels):
+    for x in _argmax_cases():
+        got = kernels.argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), x.shape
+    # What the C loop cannot read goes to torch's argmax, with the same answer.
+    gen = torch.Generator().manual_seed(6)
+    for x in (torch.randn(50, 6, generator=gen).t(), torch.randn(3, 70).bfloat16()):
+        assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
+
+
+def test_sampler_with_the_c_argmax_draws_the_same_tokens(kernels):
+    from conveyor.core.sequence import Sequence
+    from conveyor.model.sampler import Sampler
+    from conveyor.sampling_params import SamplingParams
+
+    logits = torch.randn(12, 3000, generator=torch.Generator().manual_seed(7)) * 3
+    logits[0, [5, 2999]] = 100.0  # a greedy tie
+    temps = [0.0, 0.0, 0.7, 1.0, 0.0, 1.3, 0.0, 0.9, 1.0, 0.0, 2.0, 0.5]
+    requests = [
+        Sequence(f"r{i}", [1, 2], SamplingParams(temperature=t, seed=i if i % 3 else None), 64)
+        for i, t in enumerate(temps)
+    ]
+    fast, plain = Sampler(3000, seed=1, argmax=kernels.argmax), Sampler(3000, seed=1)
+    for _ in range(3):
+        assert fast(logits, requests).token_ids == plain(logits, requests).token_ids
+    greedy = [r for r, t in zip(requests, temps, strict=True) if t == 0.0]
+    rows = logits[[i for i, t in enumerate(temps) if t == 0.0]]
+    assert fast(rows, greedy).token_ids == rows.argmax(dim=-1).tolist()

@@ -1,7 +1,8 @@
 """C kernels for CPU, compiled on first use with the machine's C compiler and called through
 ctypes: the paged attention of the "cpu" attention backend (csrc/paged_attention.c), RMSNorm
 with its residual add fused in (csrc/rms_norm.c), the rotary embedding in place
-(csrc/rotary.c) and the gated MLP's silu(gate) * up (csrc/silu_mul.c).
+(csrc/rotary.c), the gated MLP's silu(gate) * up (csrc/silu_mul.c) and the sampler's
+row-wise argmax (csrc/argmax.c).
 
 Why C and not torch: a step's attention in torch must first copy every request's K and V
 out of the paged cache into a padded tensor (one gather per layer), then run SDPA on the
@@ -49,6 +50,7 @@ _ATTENTION_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32, _P, _I64, _P, _I64
 _NORM_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I32, _F32, _I32]
 _ROTARY_ARGS = [_P, _I64, _I64, _I32, _I32, _P, _P, _I32]
 _SILU_MUL_ARGS = [_P, _I64, _P, _I64, _I64, _I32, _I32]
+_ARGMAX_ARGS = [_P, _I64, _I64, _I64, _P, _I32]
 
 
 class CpuKernels:
@@ -69,6 +71,9 @@ class CpuKernels:
         self._silu_mul = lib.conveyor_silu_mul_f32
         self._silu_mul.argtypes = _SILU_MUL_ARGS
         self._silu_mul.restype = None
+        self._argmax = lib.conveyor_argmax_f32
+        self._argmax.argtypes = _ARGMAX_ARGS
+        self._argmax.restype = None
 
     def rotary_step(
         self, positions: torch.Tensor, cos_sin: torch.Tensor
@@ -148,6 +153,24 @@ class CpuKernels:
             width // 2,
             torch.get_num_threads(),
         )
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) of a [N, V] tensor, the same int64 [N] indices (the first
+        maximum; a NaN is the maximum): the C loop for float32 CPU rows with unit stride,
+        torch's own argmax for anything else."""
+        if (
+            x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.dim() != 2
+            or x.shape[1] == 0
+            or x.shape[1] >= 2**31
+            or (x.shape[1] > 1 and x.stride(1) != 1)
+        ):
+            return x.argmax(dim=-1)
+        rows, cols = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), torch.get_num_threads())
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -135,12 +135,15 @@ class ModelRunner:
         )
         if self.linear_backend == "onednn":
             pack_linears(self.model)
-        # The CPU attention backend's C library also runs the RMSNorms (residual add fused in)
-        # and the rotary embedding; attention_backend "torch" keeps the forward in torch.
+        # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
+        # the rotary embedding and the sampler's argmax; attention_backend "torch" keeps the
+        # forward and the sampler in torch.
+        argmax = None
         if self.device.type == "cpu" and config.attention_backend in ("auto", "cpu"):
             kernels = cpu_kernels.load()
             if kernels is not None and self.dtype == torch.float32:
                 use_cpu_kernels(self.model, kernels)
+                argmax = kernels.argmax
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         if profile:
@@ -176,7 +179,8 @@ class ModelRunner:
             self.max_model_len,
         )
         if tp is None or tp.rank == 0:  # only rank 0 samples
-            self.sampler = FiniteLogitsGuard(Sampler(self.vocab_size, config.seed, self.device))
+            sampler = Sampler(self.vocab_size, config.seed, self.device, argmax)
+            self.sampler = FiniteLogitsGuard(sampler)
 
     def _fit_context_to_cache(self, config: EngineConfig) -> None:
         """As vLLM: the effective max_model_len is the model's context capped by what the KV

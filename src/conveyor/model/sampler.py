@@ -21,7 +21,7 @@ also reads one value).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +41,10 @@ from conveyor.model.logits_processors import (
 _SAMPLING_EPS = 1e-5
 
 
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     """One sampled token per row, and its TokenLogprobs when the request asked for them."""
@@ -52,12 +56,21 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row of a logits batch, following each request's SamplingParams."""
 
-    def __init__(self, vocab_size: int, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         """Args:
         vocab_size: width of the logits the model produces.
         seed: seeds the generator shared by requests without their own seed.
         device: where the logits live; generators are created there.
+        argmax: torch.argmax(x, dim=-1) of a [N, V] tensor, or a function giving the same
+            indices faster (CpuKernels.argmax); None: torch's.
         """
+        self.argmax = argmax or _torch_argmax
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
@@ -99,7 +112,7 @@ class Sampler:
 
         needs_bias = any(p.logit_bias for p in params)
         if not (random_rows or lp_rows or needs_penalty or needs_min_tokens or needs_bias):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n)  # all-greedy fast path
+            return SamplerOutput(self.argmax(logits).tolist(), [None] * n)  # all-greedy fast path
 
         if needs_min_tokens or needs_penalty or needs_bias:
             logits = logits.clone() if logits is raw else logits
@@ -113,7 +126,7 @@ class Sampler:
         if len(random_rows) == n:
             tokens = self._sample(logits, requests)
         else:
-            tokens = logits.argmax(dim=-1)
+            tokens = self.argmax(logits)
             if random_rows:
                 idx = torch.tensor(random_rows, device=logits.device)
                 sub = [requests[i] for i in random_rows]
@@ -149,7 +162,7 @@ class Sampler:
         for i in seeded:
             q[i].uniform_(generator=self._generator_for(requests[i]))
         q.log_().neg_()
-        return probs.div_(q).argmax(dim=-1)
+        return self.argmax(probs.div_(q))
 
     def _generator_for(self, request: Sequence) -> torch.Generator:
         gen = self._generators.get(request.request_id)
