@@ -1,6 +1,6 @@
 """The CPU C kernels (paged attention of the "cpu" backend, fused residual + RMSNorm, rotary,
-silu * up, the sampler's argmax) against their torch references, the build cache, and the fallbacks where they
-cannot run."""
+silu * up, the sampler's argmax) against their torch references, the build cache, and the
+fallbacks where they cannot run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""oneDNN linears with prepacked weights: the same results as nn.Linear, to fp32 rounding."""
+"""Linears with prepacked weights (our C kernel, oneDNN): the same results as nn.Linear, to
+fp32 rounding."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import torch
 from torch import nn
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.linear import PackedLinear, pack_linears, resolve_linear_backend
+from conveyor.model import cpu_kernels
+from conveyor.model.linear import (
+    CpuLinear,
+    PackedLinear,
+    linear_factory,
+    pack_linears,
+    resolve_linear_backend,
+)
 
 CPU = torch.device("cpu")
 
@@ -25,6 +33,48 @@ def test_packed_linear_equals_nn_linear(rows, bias):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def kernels() -> cpu_kernels.CpuKernels:
+    k = cpu_kernels.load()
+    if k is None or not k.has_linear:
+        pytest.skip("no C kernels with the AVX2 GEMM on this machine")
+    return k
+
+
+# 300 rows: more than one block of rows (288); K 600: three blocks of K (256); N 1000 and 7:
+# a last panel of 8 and a single partial panel.
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 16, 40, 300])
+@pytest.mark.parametrize(("n", "k", "bias"), [(200, 96, True), (1000, 600, False), (7, 5, True)])
+def test_cpu_linear_equals_nn_linear(kernels, rows, n, k, bias):
+    torch.manual_seed(rows + n)
+    linear = nn.Linear(k, n, bias=bias)
+    x = torch.randn(rows, k)
+    with torch.inference_mode():
+        expected = linear(x)
+        got = CpuLinear(linear.weight, linear.bias, kernels)(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_linear_rows_do_not_depend_on_their_batch_and_any_layout_works(kernels):
+    torch.manual_seed(0)
+    linear = nn.Linear(300, 50)
+    lin = CpuLinear(linear.weight, linear.bias, kernels)
+    x = torch.randn(20, 300)
+    with torch.inference_mode():
+        whole = lin(x)
+        for i in (0, 7, 19):  # one sum over k in order per output: bit for bit the same
+            assert torch.equal(lin(x[i : i + 1]), whole[i : i + 1])
+        wide = torch.randn(20, 310)[:, 5:305]  # rows with a stride of 310
+        torch.testing.assert_close(lin(wide), linear(wide), rtol=1e-5, atol=1e-5)
+        cols = torch.randn(300, 20).t()  # column-major: copied first
+        torch.testing.assert_close(lin(cols), linear(cols), rtol=1e-5, atol=1e-5)
+        three = torch.randn(2, 3, 300)
+        torch.testing.assert_close(lin(three), linear(three), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match=r"CpuLinear takes float32 \[\.\.\., 300\]"):
+            lin(x.bfloat16())
+
+
 def test_pack_linears_replaces_every_linear_and_packs_a_tied_head():
     class Inner(nn.Module):
         def __init__(self) -> None:
@@ -38,17 +88,28 @@ def test_pack_linears_replaces_every_linear_and_packs_a_tied_head():
             self.model = Inner()
             self.lm_head = None
 
-    model = Tied()
-    assert pack_linears(model) == 3
-    assert not any(type(m) is nn.Linear for m in model.modules())
-    hidden = torch.randn(4, 8)
-    with torch.inference_mode():
-        logits = model.lm_head(hidden)
-    torch.testing.assert_close(logits, hidden @ model.model.embed_tokens.weight.T)
+    for make, kind in ((PackedLinear, PackedLinear), (linear_factory("cpu"), CpuLinear)):
+        model = Tied()
+        assert pack_linears(model, make) == 3
+        assert not any(type(m) is nn.Linear for m in model.modules())
+        assert isinstance(model.lm_head, kind) and isinstance(model.model.layers[0], kind)
+        hidden = torch.randn(4, 8)
+        with torch.inference_mode():
+            logits = model.lm_head(hidden)
+        torch.testing.assert_close(logits, hidden @ model.model.embed_tokens.weight.T)
 
 
-def test_backend_choice():
+def test_backend_choice(monkeypatch):
+    assert resolve_linear_backend("auto", CPU, torch.float32) == "cpu"
+    assert resolve_linear_backend("onednn", CPU, torch.float32) == "onednn"
+    with pytest.raises(ValueError, match="'cpu' runs on CPU in float32 only"):
+        resolve_linear_backend("cpu", CPU, torch.bfloat16)
+    # Without the C kernels (no compiler, or no AVX2): auto falls back to oneDNN.
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     assert resolve_linear_backend("auto", CPU, torch.float32) == "onednn"
+    with pytest.raises(ValueError, match="needs the C kernels built with AVX2"):
+        resolve_linear_backend("cpu", CPU, torch.float32)
+    monkeypatch.undo()
     assert resolve_linear_backend("auto", CPU, torch.bfloat16) == "torch"
     assert resolve_linear_backend("torch", CPU, torch.float32) == "torch"
     with pytest.raises(ValueError, match="runs on CPU in float32 only"):
@@ -57,17 +118,18 @@ def test_backend_choice():
         resolve_linear_backend("mkl", CPU, torch.float32)
 
 
-def test_onednn_and_torch_linears_give_the_same_greedy_tokens(demo_model_dir):
+def test_cpu_onednn_and_torch_linears_give_the_same_greedy_tokens(demo_model_dir):
     prompts = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = {}
-    for backend in ("onednn", "torch"):
+    for backend in ("cpu", "onednn", "torch"):
         llm = LLM(str(demo_model_dir), linear_backend=backend, num_kv_blocks=64)
         assert llm.llm_engine.runner.linear_backend == backend
         runs[backend] = llm.generate(prompts, params, use_tqdm=False)
-    for fast, ref in zip(runs["onednn"], runs["torch"], strict=True):
-        assert fast.outputs[0].token_ids == ref.outputs[0].token_ids
-        for a, b in zip(fast.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
-            assert a.keys() == b.keys()  # the sampled token and the top one
-            for tid in a:
-                assert a[tid].logprob == pytest.approx(b[tid].logprob, abs=1e-4)
+    for fast in ("cpu", "onednn"):
+        for got, ref in zip(runs[fast], runs["torch"], strict=True):
+            assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+            for a, b in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
+                assert a.keys() == b.keys()  # the sampled token and the top one
+                for tid in a:
+                    assert a[tid].logprob == pytest.approx(b[tid].logprob, abs=1e-4)

@@ -108,7 +108,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--data-parallel-size", type=int, metavar="N", help="N engine replicas, each on its own "
         "GPU or CPU cores; requests go to the least loaded (default 1)")  # fmt: skip
     add("--attention-backend", metavar="NAME", help="auto, cpu, torch or triton")
-    add("--linear-backend", metavar="NAME", help="GEMMs: auto, onednn (prepacked) or torch")
+    add(
+        "--linear-backend",
+        metavar="NAME",
+        help="GEMMs: auto, cpu (our C kernel), onednn (prepacked) or torch",
+    )
     add("--kv-cache-dtype", metavar="DTYPE", help="auto (the model's) or int8 (~2x the blocks)")
     add("--tensor-parallel-size", type=int, metavar="N", help="split the model over N ranks "
         "(one process each; gloo on CPU, NCCL on CUDA; default 1)")  # fmt: skip

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from conveyor.validation import check_choice, check_int, check_number, check_positive_int
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-LINEAR_BACKENDS = ("auto", "torch", "onednn")
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpu")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")

@@ -1,8 +1,9 @@
 """C kernels for CPU, compiled on first use with the machine's C compiler and called through
 ctypes: the paged attention of the "cpu" attention backend (csrc/paged_attention.c), RMSNorm
 with its residual add fused in (csrc/rms_norm.c), the rotary embedding in place
-(csrc/rotary.c), the gated MLP's silu(gate) * up (csrc/silu_mul.c) and the sampler's
-row-wise argmax (csrc/argmax.c).
+(csrc/rotary.c), the gated MLP's silu(gate) * up (csrc/silu_mul.c), the sampler's
+row-wise argmax (csrc/argmax.c) and the linear layers of linear_backend "cpu" (csrc/linear.c,
+weights packed by conveyor.model.linear.CpuLinear).
 
 Why C and not torch: a step's attention in torch must first copy every request's K and V
 out of the paged cache into a padded tensor (one gather per layer), then run SDPA on the
@@ -51,6 +52,9 @@ _NORM_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I32, _F32, _I32]
 _ROTARY_ARGS = [_P, _I64, _I64, _I32, _I32, _P, _P, _I32]
 _SILU_MUL_ARGS = [_P, _I64, _P, _I64, _I64, _I32, _I32]
 _ARGMAX_ARGS = [_P, _I64, _I64, _I64, _P, _I32]
+_LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I32]
+# Output columns per panel of a packed weight (csrc/linear.c's NR).
+LINEAR_PANEL = 16
 
 
 class CpuKernels:
@@ -74,6 +78,11 @@ class CpuKernels:
         self._argmax = lib.conveyor_argmax_f32
         self._argmax.argtypes = _ARGMAX_ARGS
         self._argmax.restype = None
+        self._linear = lib.conveyor_linear_f32
+        self._linear.argtypes = _LINEAR_ARGS
+        self._linear.restype = ctypes.c_int
+        # The GEMM needs AVX2 + FMA (this CPU's build says whether it has them).
+        self.has_linear = bool(lib.conveyor_linear_f32_supported())
 
     def rotary_step(
         self, positions: torch.Tensor, cos_sin: torch.Tensor
@@ -171,6 +180,32 @@ class CpuKernels:
         rows, cols = x.shape
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x @ W.T + bias as a new [M, n] tensor, W packed as CpuLinear packs it.
+
+        The caller checks what C cannot: x float32 [M, K] with unit stride along K, packed
+        the contiguous float32 [ceil(n / 16), K, 16] panels of W, bias None or float32 [n]
+        contiguous (CpuLinear does).
+        """
+        rows, k = x.shape
+        out = torch.empty(rows, n, dtype=torch.float32)
+        if rows:
+            self._linear(
+                x.data_ptr(),
+                x.stride(0),
+                rows,
+                packed.data_ptr(),
+                n,
+                k,
+                None if bias is None else bias.data_ptr(),
+                out.data_ptr(),
+                n,
+                torch.get_num_threads(),
+            )
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

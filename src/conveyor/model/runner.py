@@ -36,7 +36,7 @@ from conveyor.model.kv_cache import (
 )
 from conveyor.model.kv_sizing import log_kv_cache, profile_cuda_kv_bytes
 from conveyor.model.layers import use_cpu_kernels
-from conveyor.model.linear import pack_linears, resolve_linear_backend
+from conveyor.model.linear import linear_factory, pack_linears, resolve_linear_backend
 from conveyor.model.llama import ModelConfig
 from conveyor.model.loader import (
     load_model,
@@ -133,8 +133,8 @@ class ModelRunner:
         self.model = load_model(
             model_path, self.dtype, self.device, config.attention_backend, tp=tp
         )
-        if self.linear_backend == "onednn":
-            pack_linears(self.model)
+        if self.linear_backend in ("onednn", "cpu"):
+            pack_linears(self.model, linear_factory(self.linear_backend))
         # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
         # the rotary embedding and the sampler's argmax; attention_backend "torch" keeps the
         # forward and the sampler in torch.
