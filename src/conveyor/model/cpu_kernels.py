@@ -80,7 +80,7 @@ class CpuKernels:
         self._argmax.restype = None
         self._linear = lib.conveyor_linear_f32
         self._linear.argtypes = _LINEAR_ARGS
-        self._linear.restype = ctypes.c_int
+        self._linear.restype = None
         # The GEMM needs AVX2 + FMA (this CPU's build says whether it has them).
         self.has_linear = bool(lib.conveyor_linear_f32_supported())
 

@@ -111,8 +111,8 @@ typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, const f
                          float *, int64_t, int);
 static const micro_fn MICROS[MR + 1] = {0, micro1, micro2, micro3, micro4, micro5, micro6};
 
-/* 1 on success; 0 when this build has no AVX2 kernel (the caller never calls it then). */
-int conveyor_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n,
+/* out[m, n] = x[m, k] . W^T + bias (bias may be NULL). */
+void conveyor_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n,
                         int64_t k, const float *bias, float *out, int64_t ldo, int num_threads)
 {
     const int64_t panels = (n + NR - 1) / NR;
@@ -135,17 +135,16 @@ int conveyor_linear_f32(const float *x, int64_t ldx, int64_t m, const float *pac
             }
         }
     }
-    return 1;
 }
 
 #else
 
-int conveyor_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n,
+/* No AVX2 in this build: conveyor_linear_f32_supported() says so and nobody calls this. */
+void conveyor_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n,
                         int64_t k, const float *bias, float *out, int64_t ldo, int num_threads)
 {
     (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)out;
     (void)ldo, (void)num_threads;
-    return 0;
 }
 
 #endif
