@@ -47,6 +47,7 @@ from conveyor.bench.serve import (
     BenchRequest,
     add_arguments,
     bench,
+    lengths_within,
     require_matplotlib,
     run,
     workload,
@@ -124,16 +125,12 @@ def random_workload(args: argparse.Namespace, model: str) -> list[BenchRequest]:
     is smaller than their tokenizer's, as in side_by_side.py), lengths within ±range_ratio."""
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(args.seed)
-
-    def length(mean: int) -> int:
-        lo, hi = max(1, round(mean * (1 - args.range_ratio))), round(mean * (1 + args.range_ratio))
-        return rng.randint(lo, max(lo, hi))
-
+    in_lens = lengths_within(args.num_prompts, args.input_len, args.range_ratio, rng)
+    out_lens = lengths_within(args.num_prompts, args.output_len, args.range_ratio, rng)
     return [
-        BenchRequest([rng.randrange(3, vocab) for _ in range(length(args.input_len))],
-                     length(args.output_len))
-        for _ in range(args.num_prompts)
-    ]  # fmt: skip
+        BenchRequest([rng.randrange(3, vocab) for _ in range(n)], m)
+        for n, m in zip(in_lens, out_lens, strict=True)
+    ]
 
 
 def llm_generate(args: argparse.Namespace, requests: list) -> Callable[[], float]:

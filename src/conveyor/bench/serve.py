@@ -95,7 +95,8 @@ def require_matplotlib(what: str = "--plot") -> None:
         ) from None
 
 
-def _lengths(n: int, mean: int, ratio: float, rng: random.Random) -> list[int]:
+def lengths_within(n: int, mean: int, ratio: float, rng: random.Random) -> list[int]:
+    """n lengths drawn uniformly from mean ± ratio (at least 1)."""
     lo, hi = max(1, round(mean * (1 - ratio))), max(1, round(mean * (1 + ratio)))
     return [rng.randint(lo, hi) for _ in range(n)]
 
@@ -103,8 +104,8 @@ def _lengths(n: int, mean: int, ratio: float, rng: random.Random) -> list[int]:
 async def synthetic_workload(args: argparse.Namespace) -> list[BenchRequest]:
     """Prompts of exact token lengths: windows of one tokenized text of random words."""
     rng = random.Random(args.seed)
-    in_lens = _lengths(args.num_prompts, args.input_len, args.range_ratio, rng)
-    out_lens = _lengths(args.num_prompts, args.output_len, args.range_ratio, rng)
+    in_lens = lengths_within(args.num_prompts, args.input_len, args.range_ratio, rng)
+    out_lens = lengths_within(args.num_prompts, args.output_len, args.range_ratio, rng)
     words = _WORDS.split()
     text = " ".join(rng.choice(words) for _ in range(max(in_lens) * 2 + 64))
     body = {"prompt": text, "add_special_tokens": False}
