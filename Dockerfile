@@ -7,7 +7,12 @@
 #         docker build -t conveyor .
 #         docker run --gpus all -p 8000:8000 -v /srv/models:/models:ro conveyor \
 #             --model /models/Qwen2.5-0.5B-Instruct
-#   cpu: torch's CPU wheel (no CUDA libraries, a much smaller image).
+#   cpu: torch's CPU wheel, and no triton (the CPU path never imports it; only the CUDA
+#       kernels need it): no CUDA libraries, a much smaller image. The build fails unless the
+#       CPU C kernels build and load (`python -m conveyor.model.cpu_kernels`); they are built
+#       for the build machine's CPU (-march=native) and rebuilt at first start on another one
+#       (a second, under the user's cache). For a fleet of mixed CPUs pass
+#       `--build-arg CONVEYOR_CPU_ISA=avx2` (or portable): that build runs on all of them.
 #         docker build --target cpu -t conveyor:cpu .
 #         docker run -p 8000:8000 conveyor:cpu            # serves the embedded demo model
 #
@@ -33,7 +38,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/conveyor \
     CONVEYOR_CACHE_DIR=/home/conveyor/.cache/conveyor \
     HF_HOME=/home/conveyor/.cache/huggingface
-# gcc: triton compiles a small C launcher per kernel at run time.
+# gcc: the CPU C kernels are compiled at first use, and triton compiles a small C launcher per
+# kernel at run time.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
@@ -48,14 +54,20 @@ RUN pip wheel --no-deps --wheel-dir /wheels .
 # ---------------------------------------------------------------- CPU image
 FROM base AS cpu
 ARG TORCH_VERSION
+ARG CONVEYOR_CPU_ISA=
+ENV CONVEYOR_CPU_ISA=${CONVEYOR_CPU_ISA}
 RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
 COPY --from=wheel /wheels /wheels
-RUN pip install /wheels/*.whl && rm -rf /wheels
+# triton is a dependency for the CUDA kernels only (tests/test_packaging.py checks that the CPU
+# path runs without it): hundreds of MB this image does not need.
+RUN pip install /wheels/*.whl && rm -rf /wheels && pip uninstall -y triton
 COPY configs /opt/conveyor/configs
 USER conveyor
 WORKDIR /home/conveyor
-# Build the demo checkpoint now, so a container without --model starts at once.
-RUN python -c "from conveyor.model.demo import demo_model_path; print(demo_model_path())"
+# The C kernels must build and load (else the image would serve the slow torch path); the
+# demo checkpoint is built now, so a container without --model starts at once.
+RUN python -m conveyor.model.cpu_kernels \
+    && python -c "from conveyor.model.demo import demo_model_path; print(demo_model_path())"
 VOLUME ["/models"]
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from tests.paged_blocks import shuffled_block_tables
 
-from conveyor.model import cpu_attention, cpu_kernels
+from conveyor.model import cpu_attention, cpu_build, cpu_kernels
 from conveyor.model.attention import CpuAttentionBackend, build_attention_metadata
 from conveyor.model.cpu_attention import _CpuPlan
 from conveyor.model.kv_cache import QuantizedKVCache, write_kv_cache
@@ -191,25 +191,16 @@ def test_the_kernel_writes_new_kv_when_every_chunk_goes_to_sdpa(kernels, monkeyp
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-def test_the_build_is_cached_per_source_and_compiler(kernels, tmp_path, monkeypatch):
-    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
-    first = cpu_kernels.build()
-    assert first.parent == tmp_path / "cpu_kernels" and first.exists()
-    mtime = first.stat().st_mtime_ns
-    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
-
-
 def test_without_a_compiler_the_backend_warns_once_and_runs_the_reference(
     tmp_path, monkeypatch, caplog
 ):
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(RuntimeError, match="no-such-cc"):
-        cpu_kernels.build()
+        cpu_build.build()
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     with pytest.raises(RuntimeError, match="failed"):
-        cpu_kernels.build()
+        cpu_build.build()
     cpu_kernels.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="conveyor.model.cpu_kernels"):

@@ -13,37 +13,34 @@ ctypes and not a torch extension: the source includes no torch header, so it bui
 under a second and needs nothing but a C compiler (the Dockerfile installs gcc; Triton
 needs one at run time too).
 
-The library (every csrc/*.c in one shared object) is built once per source, compiler and
-CPU (`-march=native`) into $CONVEYOR_CACHE_DIR (default ~/.cache/conveyor/cpu_kernels),
-written to a temporary name and renamed, so concurrent processes never load a half-written
-file. When there is no compiler or the build fails, `load()` returns None and says why once in
-the log; callers fall back to torch. `-fopenmp` links libgomp.so.1, which resolves to the
-copy torch has already loaded: the kernels share torch's OpenMP threads instead of starting a
-second pool.
+The library (every csrc/*.c in one shared object) is built and cached by cpu_build.py, for the
+instruction set CONVEYOR_CPU_ISA names (default: what this CPU has). When there is no compiler
+or the build fails, `load()` returns None and says why once in the log; callers fall back to
+torch. `-fopenmp` links libgomp.so.1, which resolves to the copy torch has already loaded: the
+kernels share torch's OpenMP threads instead of starting a second pool.
+
+Every C entry point's ctypes signature is in SIGNATURES, the one table the constructor binds
+from; tests/test_cpu_kernels.py checks it against the C prototypes in csrc/ (a wrong argument
+count would otherwise corrupt memory, not raise).
+
+`python -m conveyor.model.cpu_kernels` builds and loads them and says what this machine runs
+(exit status 1 when they cannot be loaded: the Dockerfile's check).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from conveyor.model import cpu_build
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
-_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+logger = logging.getLogger(__name__)
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ATTENTION_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
@@ -53,6 +50,17 @@ _ROTARY_ARGS = [_P, _I64, _I64, _I32, _I32, _P, _P, _I32]
 _SILU_MUL_ARGS = [_P, _I64, _P, _I64, _I64, _I32, _I32]
 _ARGMAX_ARGS = [_P, _I64, _I64, _I64, _P, _I32]
 _LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I32]
+# Every exported C function: (argument types, return type), as csrc/ declares it.
+SIGNATURES: dict[str, tuple[list, type | None]] = {
+    "conveyor_paged_attention_f32": (_ATTENTION_ARGS, ctypes.c_int),
+    "conveyor_add_rms_norm_f32": (_NORM_ARGS, None),
+    "conveyor_rms_norm_f32": (_NORM_ARGS, None),
+    "conveyor_rotary_f32": (_ROTARY_ARGS, None),
+    "conveyor_silu_mul_f32": (_SILU_MUL_ARGS, None),
+    "conveyor_argmax_f32": (_ARGMAX_ARGS, None),
+    "conveyor_linear_f32": (_LINEAR_ARGS, None),
+    "conveyor_linear_f32_vectorized": ([], ctypes.c_int),
+}
 # Output columns per panel of a packed weight (csrc/linear.c's NR).
 LINEAR_PANEL = 16
 
@@ -60,29 +68,22 @@ LINEAR_PANEL = 16
 class CpuKernels:
     """The loaded library; one method per kernel, each checking what C cannot."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._attend = lib.conveyor_paged_attention_f32
-        self._attend.argtypes = _ATTENTION_ARGS
-        self._attend.restype = ctypes.c_int
-        self._add_norm = lib.conveyor_add_rms_norm_f32
-        self._norm = lib.conveyor_rms_norm_f32
-        for fn in (self._add_norm, self._norm):
-            fn.argtypes = _NORM_ARGS
-            fn.restype = None
-        self._rotary = lib.conveyor_rotary_f32
-        self._rotary.argtypes = _ROTARY_ARGS
-        self._rotary.restype = None
-        self._silu_mul = lib.conveyor_silu_mul_f32
-        self._silu_mul.argtypes = _SILU_MUL_ARGS
-        self._silu_mul.restype = None
-        self._argmax = lib.conveyor_argmax_f32
-        self._argmax.argtypes = _ARGMAX_ARGS
-        self._argmax.restype = None
-        self._linear = lib.conveyor_linear_f32
-        self._linear.argtypes = _LINEAR_ARGS
-        self._linear.restype = None
-        # The GEMM needs AVX2 + FMA (this CPU's build says whether it has them).
-        self.has_linear = bool(lib.conveyor_linear_f32_supported())
+    def __init__(self, lib: ctypes.CDLL, path: str = "") -> None:
+        fns = {}
+        for name, (argtypes, restype) in SIGNATURES.items():
+            fns[name] = fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        self._attend = fns["conveyor_paged_attention_f32"]
+        self._add_norm = fns["conveyor_add_rms_norm_f32"]
+        self._norm = fns["conveyor_rms_norm_f32"]
+        self._rotary = fns["conveyor_rotary_f32"]
+        self._silu_mul = fns["conveyor_silu_mul_f32"]
+        self._argmax = fns["conveyor_argmax_f32"]
+        self._linear = fns["conveyor_linear_f32"]
+        # Whether the GEMM is the AVX2 + FMA kernel (a portable build has a plain C one:
+        # correct, but linear_backend "auto" prefers oneDNN to it).
+        self.linear_vectorized = bool(fns["conveyor_linear_f32_vectorized"]())
+        self.path = path
 
     def rotary_step(
         self, positions: torch.Tensor, cos_sin: torch.Tensor
@@ -364,66 +365,35 @@ class AttentionRows:
     args: tuple  # block_tables, its row stride, key_begin, key_end, rows, batch, n
 
 
-def cache_dir() -> Path:
-    """Where built libraries live: $CONVEYOR_CACHE_DIR, else $XDG_CACHE_HOME or ~/.cache."""
-    root = os.environ.get("CONVEYOR_CACHE_DIR")
-    if root:
-        return Path(root) / "cpu_kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "conveyor" / "cpu_kernels"
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: the machine and its CPU flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return platform.machine() + flags
-
-
-def build(compiler: str | None = None) -> Path:
-    """Compile the kernels (or find them already built) and return the library's path.
-
-    Raises:
-        RuntimeError: no C compiler, or the build failed (with the compiler's message).
-    """
-    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    key = hashlib.sha256(b"\0".join([cc.encode(), *map(str.encode, _FLAGS)]))
-    for src in (*_SOURCES, *_HEADERS):
-        key.update(src.name.encode() + b"\0" + src.read_bytes())
-    key.update(_cpu_id().encode())
-    out_dir = cache_dir()
-    lib = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        cmd = [cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"]
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise RuntimeError(f"cannot run the C compiler {cc!r}: {exc}") from exc
-        if res.returncode:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed: {res.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
-
-
 @functools.cache
 def load() -> CpuKernels | None:
-    """The kernels, built on first call; None (and one warning) when they cannot be built."""
+    """The kernels, built on first call; None (and one warning) when they cannot be built.
+
+    Raises:
+        ValueError: CONVEYOR_CPU_ISA names an unknown instruction set or one the CPU lacks.
+    """
     try:
-        return CpuKernels(ctypes.CDLL(str(build())))
-    except (OSError, RuntimeError) as exc:
+        path = str(cpu_build.build())
+        return CpuKernels(ctypes.CDLL(path), path)
+    except (OSError, RuntimeError, AttributeError) as exc:
         logger.warning("CPU C kernels unavailable (%s); attention and norms run in torch.", exc)
         return None
+
+
+def main() -> int:
+    """Build and load the kernels and print what runs here; 1 when they cannot be loaded."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    kernels = load()
+    isa = cpu_build.requested_isa()
+    if kernels is None:
+        print(f"CPU C kernels: unavailable (CONVEYOR_CPU_ISA={isa}); see the warning above.")
+        return 1
+    gemm = "AVX2 + FMA" if kernels.linear_vectorized else "portable C (auto picks oneDNN)"
+    print(f"CPU C kernels: loaded from {kernels.path}")
+    print(f"  instruction set: {isa} ({' '.join(cpu_build.build_flags())})")
+    print(f"  GEMM (linear_backend 'cpu'): {gemm}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,8 @@ counts of a decode step (one row per running sequence) that costs more than the
 multiplication. Both packed backends lay the weight out once:
 
 - "cpu" (CpuLinear): panels of 16 output columns for csrc/linear.c's AVX2 kernel, which
-  streams each weight once per step and keeps 6 x 16 outputs in registers. At decode sizes
+  streams each weight once per step and keeps 6 x 16 outputs in registers (a build without
+  AVX2 has a plain C loop over the same panels instead). At decode sizes
   it is 1.4-2x oneDNN on our 2-core box (every linear of SmolLM2-135M's shape, 16 rows:
   48 vs 68 ms; 1 row: 15 vs 32), and about even at prefill sizes.
 - "onednn" (PackedLinear): oneDNN's blocked layout from
@@ -13,11 +14,14 @@ multiplication. Both packed backends lay the weight out once:
 
 Results differ from MKL's only by summation order (fp32 rounding).
 
-    linear_backend   CPU fp32                          otherwise
-    "auto"           cpu (else onednn, else torch)     torch
-    "cpu"            cpu (ValueError without the C kernels or AVX2)
-    "onednn"         onednn                            ValueError (CPU fp32 only)
-    "torch"          nn.Linear                         nn.Linear
+    linear_backend   CPU fp32                                  otherwise
+    "auto"           cpu with the AVX2 GEMM, else onednn,      torch
+                     else torch
+    "cpu"            cpu (its portable loop in a build without  ValueError (CPU fp32 only)
+                     AVX2: CONVEYOR_CPU_ISA=portable, aarch64;
+                     ValueError without the C kernels)
+    "onednn"         onednn                                    ValueError (CPU fp32 only)
+    "torch"          nn.Linear                                 nn.Linear
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     cpu_fp32 = device.type == "cpu" and dtype == torch.float32
     onednn = cpu_fp32 and torch.backends.mkldnn.is_available()
     if name == "auto":
-        if cpu_fp32 and _c_kernels() is not None:
+        kernels = cpu_kernels.load() if cpu_fp32 else None
+        if kernels is not None and kernels.linear_vectorized:
             return "cpu"
         return "onednn" if onednn else "torch"
     got = f"got device {device.type} and dtype {str(dtype).removeprefix('torch.')}"
@@ -57,22 +62,32 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
         )
     if name == "cpu" and not cpu_fp32:
         raise ValueError(f"linear_backend 'cpu' runs on CPU in float32 only; {got}.")
-    if name == "cpu" and _c_kernels() is None:
-        raise ValueError(
-            "linear_backend 'cpu' needs the C kernels built with AVX2 and FMA (a C compiler "
-            "and such a CPU); the log says why they are unavailable. Use 'auto' or 'onednn'."
-        )
+    if name == "cpu":
+        _c_kernels()
     return name
 
 
 def _c_kernels() -> Any:
-    """The loaded C kernels when they include the GEMM (an AVX2 + FMA build), else None."""
+    """The loaded C kernels.
+
+    Raises:
+        ValueError: they cannot be built here (no C compiler, or the build failed).
+    """
     kernels = cpu_kernels.load()
-    return kernels if kernels is not None and kernels.has_linear else None
+    if kernels is None:
+        raise ValueError(
+            "linear_backend 'cpu' needs the C kernels (a C compiler); the log says why they "
+            "are unavailable. Use 'auto' or 'onednn'."
+        )
+    return kernels
 
 
 def linear_factory(backend: str) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module]:
-    """What pack_linears builds for a resolved backend, "cpu" or "onednn"."""
+    """What pack_linears builds for a resolved backend, "cpu" or "onednn".
+
+    Raises:
+        ValueError: "cpu" without the C kernels.
+    """
     if backend == "cpu":
         kernels = _c_kernels()
         return lambda weight, bias: CpuLinear(weight, bias, kernels)

@@ -139,18 +139,46 @@ void conveyor_linear_f32(const float *x, int64_t ldx, int64_t m, const float *pa
 
 #else
 
-/* No AVX2 in this build: conveyor_linear_f32_supported() says so and nobody calls this. */
+/* Portable build (no AVX2 + FMA: CONVEYOR_CPU_ISA=portable, an older x86-64, aarch64): the
+ * same panels and the same sum per output (bias first, then k in order), PR rows at a time so
+ * each weight load serves PR rows; the compiler vectorises the 16 columns with what the target
+ * has (SSE2, NEON). Correct everywhere, but oneDNN is faster than it, so
+ * conveyor_linear_f32_vectorized() says 0 and linear_backend "auto" picks oneDNN there. */
+#define PR 4
+
 void conveyor_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n,
                         int64_t k, const float *bias, float *out, int64_t ldo, int num_threads)
 {
-    (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)out;
-    (void)ldo, (void)num_threads;
+    const int64_t panels = (n + NR - 1) / NR;
+    const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t p = 0; p < panels; p++) {
+        const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
+        const float *panel = packed + p * k * NR;
+        for (int64_t r0 = 0; r0 < m; r0 += PR) {
+            const int rows = (int)(m - r0 < PR ? m - r0 : PR);
+            float acc[PR][NR];
+            for (int r = 0; r < PR; r++)
+                for (int j = 0; j < NR; j++)
+                    acc[r][j] = bias && j < cols ? bias[p * NR + j] : 0.f;
+            for (int64_t kk = 0; kk < k; kk++) {
+                const float *wk = panel + kk * NR;
+                for (int r = 0; r < rows; r++) {
+                    const float a = x[(r0 + r) * ldx + kk];
+                    for (int j = 0; j < NR; j++)
+                        acc[r][j] += a * wk[j];
+                }
+            }
+            for (int r = 0; r < rows; r++)
+                memcpy(out + (r0 + r) * ldo + p * NR, acc[r], cols * sizeof(float));
+        }
+    }
 }
 
 #endif
 
-/* Whether this build has the kernel (an AVX2 + FMA machine). */
-int conveyor_linear_f32_supported(void)
+/* Whether this build's GEMM is the AVX2 + FMA kernel (else the portable loop above). */
+int conveyor_linear_f32_vectorized(void)
 {
 #ifdef CONVEYOR_AVX2
     return 1;

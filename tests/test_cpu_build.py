@@ -1,0 +1,181 @@
+"""Building the CPU C kernels: the cache and its key, a compiler command with arguments, a
+cached file that is not ours, the instruction-set setting, and the ctypes signatures against
+the C prototypes."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conveyor.model import cpu_build, cpu_kernels
+
+needs_cc = pytest.mark.skipif(
+    not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here"
+)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CONVEYOR_CPU_ISA", raising=False)  # tests/test_cpu_isa.py sets it
+    return tmp_path / "cpu_kernels"
+
+
+def _built(cache):
+    return sorted(p.name for p in cache.iterdir())
+
+
+@needs_cc
+def test_the_build_is_cached_with_its_digest_and_no_temporary_left(cache):
+    first = cpu_build.build()
+    assert first.parent == cache and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_build.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert _built(cache) == [first.name, first.name + ".sha256"]
+
+
+@needs_cc
+@pytest.mark.parametrize("damage", ["truncated", "foreign", "no digest"])
+def test_a_cached_library_that_is_not_the_one_built_is_rebuilt_not_loaded(
+    cache, damage, monkeypatch
+):
+    lib = cpu_build.build()
+    good = lib.read_bytes()
+    if damage == "truncated":
+        lib.write_bytes(good[: len(good) // 3])
+    elif damage == "foreign":  # a valid shared object, but another build's, under this name
+        monkeypatch.setenv("CONVEYOR_CPU_ISA", "portable")
+        lib.write_bytes(cpu_build.build().read_bytes())
+        monkeypatch.delenv("CONVEYOR_CPU_ISA")
+    else:
+        lib.with_name(lib.name + ".sha256").unlink()
+    assert cpu_build.build() == lib
+    assert lib.read_bytes() == good  # the compiler's output again (gcc is deterministic)
+    kernels = cpu_kernels.CpuKernels(ctypes.CDLL(str(lib)))
+    assert kernels.linear_vectorized in (True, False)
+
+
+@needs_cc
+def test_a_compiler_command_with_arguments_works_and_is_part_of_the_key(cache, monkeypatch):
+    plain = cpu_build.build()
+    cc = shutil.which("cc") or shutil.which("gcc")
+    # `ccache gcc` is the common case; `env gcc` is the same shape and always installed.
+    monkeypatch.setenv("CC", f"env {cc}")
+    wrapped = cpu_build.build()
+    assert wrapped != plain and wrapped.exists()
+    if shutil.which("ccache"):
+        monkeypatch.setenv("CC", f"ccache {cc}")
+        assert cpu_build.build().exists()
+
+
+@needs_cc
+def test_the_instruction_set_is_part_of_the_key(cache, monkeypatch):
+    native = cpu_build.build()
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "portable")
+    portable = cpu_build.build()
+    assert portable != native
+    assert "-march=native" not in cpu_build.build_flags()
+    kernels = cpu_kernels.CpuKernels(ctypes.CDLL(str(portable)))
+    assert kernels.linear_vectorized is False  # the plain C GEMM, whatever this CPU has
+
+
+def test_the_instruction_set_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="CONVEYOR_CPU_ISA must be one of portable, avx2"):
+        cpu_build.requested_isa()
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", " AVX2 ")
+    assert cpu_build.requested_isa() == "avx2"
+    monkeypatch.delenv("CONVEYOR_CPU_ISA")
+    assert cpu_build.requested_isa() == "native"
+
+
+def test_each_instruction_set_maps_to_its_march_and_refuses_what_the_cpu_lacks():
+    v4 = cpu_build._X86_V4
+    assert cpu_build.isa_flags("native", "x86_64", set()) == ["-march=native"]
+    assert cpu_build.isa_flags("portable", "x86_64", set()) == ["-march=x86-64"]
+    assert cpu_build.isa_flags("avx2", "x86_64", v4) == ["-march=x86-64-v3"]
+    assert cpu_build.isa_flags("avx512", "x86_64", v4) == ["-march=x86-64-v4"]
+    zen3 = cpu_build._X86_V3  # AVX2 only
+    with pytest.raises(ValueError, match=r"avx512 needs CPU features this CPU lacks \(avx512bw"):
+        cpu_build.isa_flags("avx512", "x86_64", zen3)
+    with pytest.raises(ValueError, match="lacks"):
+        cpu_build.isa_flags("avx2", "x86_64", {"sse2"})
+    assert cpu_build.isa_flags("portable", "aarch64", set()) == ["-march=armv8-a"]
+    with pytest.raises(ValueError, match="x86-64 instruction set; this machine is aarch64"):
+        cpu_build.isa_flags("avx2", "aarch64", set())
+
+
+def test_an_instruction_set_this_cpu_lacks_is_an_error_not_a_crash(cache, monkeypatch):
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: {"sse2"})
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="CONVEYOR_CPU_ISA=avx512 needs CPU features"):
+        cpu_build.build()
+
+
+# C parameter types as ctypes sees them: any pointer is a void pointer.
+_C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
+_C_RESTYPES = {"void": None, "int": ctypes.c_int}
+_PROTOTYPE = re.compile(r"^(void|int)\s+(conveyor_\w+)\s*\(([^)]*)\)\s*\{", re.MULTILINE)
+
+
+def _ctype(param: str) -> type:
+    if "*" in param:
+        return ctypes.c_void_p
+    base = param.replace("const", "").split()[0]
+    return _C_TYPES[base]
+
+
+def _c_prototypes() -> dict[str, list[tuple[type | None, list[type]]]]:
+    """Every exported definition in csrc/ (a function defined under #ifdef and #else twice)."""
+    found: dict[str, list[tuple[type | None, list[type]]]] = {}
+    for src in cpu_build.sources():
+        code = re.sub(r"/\*.*?\*/|//[^\n]*", " ", src.read_text(), flags=re.DOTALL)
+        for ret, name, params in _PROTOTYPE.findall(code):
+            plist = [p.strip() for p in params.split(",") if p.strip() not in ("", "void")]
+            found.setdefault(name, []).append((_C_RESTYPES[ret], [_ctype(p) for p in plist]))
+    return found
+
+
+def test_every_ctypes_signature_matches_the_c_definition():
+    prototypes = _c_prototypes()
+    assert set(prototypes) == set(cpu_kernels.SIGNATURES)  # none missing, none extra
+    for name, (argtypes, restype) in cpu_kernels.SIGNATURES.items():
+        for c_restype, c_args in prototypes[name]:
+            assert len(argtypes) == len(c_args), f"{name}: argument count"
+            assert list(argtypes) == c_args, name
+            assert restype == c_restype, name
+
+
+def test_the_signature_check_catches_a_wrong_argument_count(monkeypatch):
+    name = "conveyor_rotary_f32"
+    argtypes, restype = cpu_kernels.SIGNATURES[name]
+    monkeypatch.setitem(cpu_kernels.SIGNATURES, name, (argtypes[:-1], restype))
+    with pytest.raises(AssertionError, match="conveyor_rotary_f32: argument count"):
+        test_every_ctypes_signature_matches_the_c_definition()
+
+
+def _check_command(env_overrides: dict[str, str], tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CONVEYOR_CACHE_DIR": str(tmp_path), **env_overrides}
+    return subprocess.run(
+        [sys.executable, "-m", "conveyor.model.cpu_kernels"], env=env, capture_output=True,
+        text=True, check=False, timeout=300,
+    )  # fmt: skip
+
+
+@needs_cc
+def test_the_check_command_says_what_runs_here_and_fails_without_the_kernels(tmp_path):
+    # The Dockerfile's build step: an image whose kernels do not load must not build.
+    ok = _check_command({"CONVEYOR_CPU_ISA": "portable"}, tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert "CPU C kernels: loaded from" in ok.stdout and "instruction set: portable" in ok.stdout
+    assert "portable C (auto picks oneDNN)" in ok.stdout
+    broken = _check_command({"CC": "false"}, tmp_path / "empty")
+    assert broken.returncode == 1
+    assert "unavailable" in broken.stdout and "failed" in broken.stderr
