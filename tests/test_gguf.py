@@ -18,10 +18,13 @@ import transformers
 from gguf import GGMLQuantizationType as QType
 from tests.gguf_files import write_gguf
 from tests.hf_checkpoints import greedy_reference, write_checkpoint
+from tests.logprobs_close import check_logprobs_close
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.tokenizer import Tokenizer
+from conveyor.model import cpu_kernels
 from conveyor.model.checkpoint import check_checkpoint
+from conveyor.model.quant_linear import QUANT_TYPES, QuantEmbedding, QuantLinear
 
 WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64)
 # (family, weights' type, token_embd's type or None, config overrides)
@@ -58,14 +61,38 @@ def gguf_case(request, tmp_path_factory, tiny_tokenizer_dir):
     return request.param, hf_dir, file, prompts, max_tokens, expected
 
 
+def _kept_quantized(name: str) -> bool:
+    return CASES[name][1].name in QUANT_TYPES
+
+
 def test_gguf_greedy_tokens_equal_transformers_on_the_same_file(gguf_case):
     name, _, file, prompts, max_tokens, expected = gguf_case
-    # The folder form for one case, the file itself for the others.
+    # The folder form for one case, the file itself for the others. Exact parity is for the
+    # dequantized weights: linear_backend "onednn" (the default keeps Q8_0 / Q4_0 / Q4_1
+    # quantized, judged below).
     model = str(file.parent) if name == "llama-q8_0" else str(file)
-    llm = LLM(model, num_kv_blocks=64, dtype="float32")
+    backend = "onednn" if _kept_quantized(name) else "auto"
+    llm = LLM(model, num_kv_blocks=64, dtype="float32", linear_backend=backend)
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_quantized_gguf_weights_stay_quantized_and_their_greedy_output_is_close(gguf_case):
+    name, _, file, prompts, max_tokens, _ = gguf_case
+    if not _kept_quantized(name) or cpu_kernels.load() is None:
+        pytest.skip("a type that is dequantized at load (or no C kernels here)")
+    params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=5) for m in max_tokens]
+    runs = {}
+    for backend in ("auto", "onednn"):  # the file's blocks, and the same file dequantized
+        llm = LLM(str(file), num_kv_blocks=64, dtype="float32", linear_backend=backend)
+        model = llm.llm_engine.runner.model
+        quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+        # every linear, the embedding and the (tied or not) head
+        assert len(quantized) == (4 * model.config.num_hidden_layers + 2 if backend == "auto"
+                                  else 0)  # fmt: skip
+        runs[backend] = llm.generate(prompts, params, use_tqdm=False)
+    check_logprobs_close(runs["auto"], runs["onednn"])
 
 
 def test_a_llama3_gguf_applies_its_rope_freqs_like_the_hf_model(tmp_path, tiny_tokenizer_dir):

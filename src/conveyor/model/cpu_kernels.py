@@ -50,6 +50,9 @@ _ROTARY_ARGS = [_P, _I64, _I64, _I32, _I32, _P, _P, _I32]
 _SILU_MUL_ARGS = [_P, _I64, _P, _I64, _I64, _I32, _I32]
 _ARGMAX_ARGS = [_P, _I64, _I64, _I64, _P, _I32]
 _LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I32]
+_QUANTIZE_ARGS = [_P, _I64, _I64, _I64, _P, _I32, _I32]
+_QUANT_LINEAR_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _I32, _P, _P, _I64, _I32]
+_QUANT_ROWS_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64]
 # Every exported C function: (argument types, return type), as csrc/ declares it.
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_paged_attention_f32": (_ATTENTION_ARGS, ctypes.c_int),
@@ -60,6 +63,10 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_argmax_f32": (_ARGMAX_ARGS, None),
     "conveyor_linear_f32": (_LINEAR_ARGS, None),
     "conveyor_linear_f32_vectorized": ([], ctypes.c_int),
+    # GGUF blocks (conveyor.model.quant_linear wraps them)
+    "conveyor_quantize_q8a_f32": (_QUANTIZE_ARGS, None),
+    "conveyor_quant_linear_f32": (_QUANT_LINEAR_ARGS, ctypes.c_int),
+    "conveyor_quant_rows_f32": (_QUANT_ROWS_ARGS, ctypes.c_int),
 }
 # Output columns per panel of a packed weight (csrc/linear.c's NR).
 LINEAR_PANEL = 16
@@ -84,6 +91,7 @@ class CpuKernels:
         # correct, but linear_backend "auto" prefers oneDNN to it).
         self.linear_vectorized = bool(fns["conveyor_linear_f32_vectorized"]())
         self.path = path
+        self.fns = fns  # every entry point, for modules that wrap their own (quant_linear.py)
 
     def rotary_step(
         self, positions: torch.Tensor, cos_sin: torch.Tensor

@@ -1,5 +1,6 @@
 """Read a llama.cpp GGUF file as the loader reads an HF folder: a config.json-shaped dict and
-(HF name, tensor) pairs, every quantized tensor dequantized by the `gguf` library.
+(HF name, tensor) pairs, every quantized tensor dequantized by the `gguf` library, or (with
+`keep_quantized`) the Q8_0 / Q4_0 / Q4_1 weights kept as the file's blocks (quant_linear.py).
 
     GGUF name                 HF name
     token_embd.weight         model.embed_tokens.weight
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from conveyor.model.gguf_file import GGUFFile
+from conveyor.model.quant_linear import QUANT_TYPES, QuantTensor
 
 # general.architecture -> our registry's class name.
 GGUF_ARCHITECTURES = {
@@ -190,12 +192,15 @@ def hf_tensor_name(name: str) -> str:
 
 
 def iter_gguf_tensors(
-    file: str | os.PathLike[str], config: dict[str, Any]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 CPU tensor) for every tensor of the file, dequantized one at a time.
+    file: str | os.PathLike[str], config: dict[str, Any], keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """(HF name, tensor) for every tensor of the file, one at a time: a float32 CPU tensor
+    (dequantized), or with `keep_quantized` a QuantTensor of the file's blocks for every 2-D
+    weight of a type in QUANT_TYPES (the linears and the embedding).
 
     Args:
         config: `read_gguf_config(file)` (for the head counts that undo llama's q/k order).
+        keep_quantized: keep QUANT_TYPES' blocks as they are (quant_linear.py runs them).
     """
     from gguf.quants import dequantize
 
@@ -205,12 +210,19 @@ def iter_gguf_tensors(
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        # dequantize returns float32; copy=True: never alias the read-only memory map.
-        values = np.array(dequantize(tensor.data, tensor.tensor_type), np.float32, copy=True)
+        qtype = tensor.tensor_type.name
+        quantized = keep_quantized and qtype in QUANT_TYPES and len(tensor.shape) == 2
+        # copy=True: never alias the read-only memory map (it is closed after the load).
+        if quantized:  # the rows' bytes as they are: [rows, row bytes]
+            values = np.array(tensor.data, np.uint8, copy=True)
+        else:  # dequantize returns float32
+            values = np.array(dequantize(tensor.data, tensor.tensor_type), np.float32, copy=True)
         match = _LAYER.fullmatch(tensor.name)
         if unpermute and match and match.group(2) in heads:
-            values = _unpermute_rows(values, heads[match.group(2)])
-        yield hf_tensor_name(tensor.name), torch.from_numpy(values)
+            values = _unpermute_rows(values, heads[match.group(2)])  # whole rows either way
+        data = torch.from_numpy(values)
+        name = hf_tensor_name(tensor.name)
+        yield name, QuantTensor(qtype, data, tensor.shape) if quantized else data
 
 
 def _unpermute_rows(values: np.ndarray, num_heads: int) -> np.ndarray:

@@ -11,12 +11,17 @@ then every parameter is assigned from the checkpoint, converted to the target dt
     everything else                           same name
 
 A GGUF file (model/gguf_loader.py) goes through the same path: its metadata becomes the
-config dict and its tensors, dequantized and renamed to HF names, the tensor stream.
+config dict and its tensors, renamed to HF names, the tensor stream. They are dequantized, or
+with `keep_quantized` a Q8_0 / Q4_0 / Q4_1 weight arrives as a QuantTensor and its module is
+replaced by a QuantLinear / QuantEmbedding holding the file's blocks (model/quant_linear.py);
+a tied head then shares the embedding's blocks.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +32,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from conveyor.engine.config import DTYPES
+from conveyor.model import cpu_kernels
 from conveyor.model.attention import get_attention_backend
 from conveyor.model.checkpoint import find_gguf_file, read_config_json
 from conveyor.model.gguf_loader import (
     iter_gguf_tensors,
+    open_gguf,
     read_gguf_config,
     release_gguf,
 )
@@ -41,8 +48,16 @@ from conveyor.model.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from conveyor.model.quant_linear import (
+    QUANT_TYPES,
+    QuantEmbedding,
+    QuantTensor,
+    quantized_module,
+)
 from conveyor.model.safetensors_mmap import MappedTensor, iter_mapped_tensors
 from conveyor.parallel.sharding import Shard
+
+logger = logging.getLogger(__name__)
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -143,6 +158,7 @@ def load_model(
     device: torch.device | str = "cpu",
     attention_backend: str = "auto",
     tp: Any = None,
+    keep_quantized: bool = False,
 ) -> LlamaForCausalLM:
     """Load a checkpoint directory into our model, in eval mode on device/dtype.
 
@@ -156,6 +172,8 @@ def load_model(
         attention_backend: name for get_attention_backend ("auto", "torch", "triton").
         tp: a tensor-parallel rank's TPGroup: the model gets that rank's slices only
             (conveyor.parallel.sharding), each read as a narrow view of the file.
+        keep_quantized: a GGUF file's Q8_0 / Q4_0 / Q4_1 weights stay in their blocks (CPU
+            float32 with the C kernels only; elsewhere everything is dequantized).
     Returns:
         the model; callers run it under torch.inference_mode().
     Raises:
@@ -176,8 +194,11 @@ def load_model(
             "tensor_parallel_size > 1 is not supported for GGUF models; use an HF safetensors "
             "checkpoint, or tensor_parallel_size 1."
         )
+    kernels = None
     if gguf_file is not None:
-        tensors = iter_gguf_tensors(gguf_file, hf_config)
+        if keep_quantized and device.type == "cpu" and dtype == torch.float32:
+            kernels = cpu_kernels.load()
+        tensors = iter_gguf_tensors(gguf_file, hf_config, keep_quantized=kernels is not None)
     else:
         files = checkpoint_files(path)
         # Tied when the config says so, or when the checkpoint simply has no lm_head.
@@ -189,12 +210,40 @@ def load_model(
     with torch.device("meta"):
         model = cls(config, backend, tp=tp, shard=shard)
     try:
-        _assign_weights(model, tensors, dtype, device, shard)
+        if gguf_file is not None:
+            _log_gguf_paths(gguf_file, kernels is not None)
+        _assign_weights(model, tensors, dtype, device, shard, kernels)
     finally:
         if gguf_file is not None:
             release_gguf()
+    embed = model.model.embed_tokens
+    if model.lm_head is None and isinstance(embed, QuantEmbedding):
+        model.lm_head = embed.as_linear()  # tied: the head reads the embedding's blocks
     # Parameters are already in place; this moves the buffers (the rope table) along.
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if gguf_file is not None:
+        logger.info("GGUF weights in memory: %.1f MiB.", weight_bytes(model) / 2**20)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each storage once: a tied head counts once)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _log_gguf_paths(file: Path, keep_quantized: bool) -> None:
+    """One line: each tensor type of the file and the path it takes."""
+    counts = Counter(t.tensor_type.name for t in open_gguf(file).tensors if len(t.shape) == 2)
+    paths = [
+        f"{n} x {qtype}: "
+        + ("kept quantized (C kernels)" if keep_quantized and qtype in QUANT_TYPES else
+           "dequantized to the compute dtype")
+        for qtype, n in sorted(counts.items())
+    ]  # fmt: skip
+    logger.info("GGUF weights (2-D tensors): %s.", "; ".join(paths))
 
 
 def _assign_weights(
@@ -203,9 +252,12 @@ def _assign_weights(
     dtype: torch.dtype,
     device: torch.device,
     shard: Shard | None = None,
+    kernels: Any = None,
 ) -> None:
     """Map HF names to ours, concatenate packed shards and assign every parameter (only
-    `shard`'s slice of each, when given).
+    `shard`'s slice of each, when given). A weight whose pieces are all QuantTensors replaces
+    its module by a quantized one (with `kernels`); a piece mixed with float ones is
+    dequantized.
 
     A MappedTensor used as is becomes the parameter (the file's pages are its memory); one
     that was copied (converted, moved or concatenated) is released right after, so the
@@ -237,6 +289,12 @@ def _assign_weights(
             unexpected.append(name)
             continue
         views = [s.tensor if isinstance(s, MappedTensor) else s for _, s in sources]
+        if any(isinstance(v, QuantTensor) for v in views):
+            if kernels is not None and all(isinstance(v, QuantTensor) for v in views):
+                _set_quantized(model, name, views, kernels)
+                loaded.add(name)
+                continue
+            views = [v.dequantize() if isinstance(v, QuantTensor) else v for v in views]
         if shard is not None:
             views = [shard.slice(n, v) for (n, _), v in zip(sources, views, strict=True)]
         tensor = views[0] if len(views) == 1 else _cat_as(views, dtype, device)
@@ -271,6 +329,19 @@ def _set_parameter(
     value = tensor.to(device=device, dtype=dtype).contiguous()
     setattr(model.get_submodule(module_name), leaf, nn.Parameter(value, requires_grad=False))
     return value
+
+
+def _set_quantized(model: nn.Module, name: str, parts: list[QuantTensor], kernels: Any) -> None:
+    """Replace the module owning weight `name` by its quantized stand-in holding `parts`."""
+    module_name, _, leaf = name.rpartition(".")
+    if leaf != "weight":
+        raise ValueError(f"Weight {name} is quantized, but only weights of linears can be.")
+    parent_name, _, child = module_name.rpartition(".")
+    try:
+        replacement = quantized_module(model.get_submodule(module_name), parts, kernels)
+    except ValueError as exc:
+        raise ValueError(f"Weight {name}: {exc}") from None
+    setattr(model.get_submodule(parent_name), child, replacement)
 
 
 def _cat_as(pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

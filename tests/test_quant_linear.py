@@ -1,0 +1,132 @@
+"""GGUF-quantized linears and embeddings (csrc/quant_linear.c) against their dequantized fp32
+references, on random blocks of every kept type.
+
+Tolerance: the kernel quantizes each block of 32 activations to 8 bits (dx = max|x| / 127,
+round to nearest), so each x_k is off by at most dx / 2, and an output y_j by at most
+sum_k |w_jk| dx(k) / 2 (plus fp32 rounding). The tests check that bound against the true fp32
+product, and that with the same activation rounding done in torch the results agree to fp32
+rounding (the integer arithmetic itself is exact).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conveyor.model import cpu_kernels
+from conveyor.model.quant_linear import (
+    QUANT_TYPES,
+    QuantEmbedding,
+    QuantLinear,
+    QuantTensor,
+    quantized_module,
+)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu_kernels.CpuKernels:
+    k = cpu_kernels.load()
+    if k is None:
+        pytest.skip("no C kernels on this machine (no C compiler)")
+    return k
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int) -> QuantTensor:
+    """Random quants with small random float16 scales (and Q4_1 minimums)."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 32
+    _, size = QUANT_TYPES[qtype]
+    blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    scales = rng.uniform(-0.05, 0.05, (rows, nb, 2)).astype(np.float16)
+    head = 4 if qtype == "Q4_1" else 2  # d (and m) lead each block
+    blocks[:, :, :head] = scales[:, :, : head // 2].view(np.uint8).reshape(rows, nb, head)
+    data = torch.from_numpy(blocks.reshape(rows, nb * size).copy())
+    return QuantTensor(qtype, data, (rows, cols))
+
+
+def assert_same_up_to_fp32_order(got, xq, w, bias=0.0):
+    """got == xq @ w.T + bias up to fp32 rounding of a differently ordered sum: a relative
+    error of 1e-5 of the sum of |terms| (a cancelling sum may lose all its relative digits)."""
+    want = xq @ w.T + bias
+    scale = xq.abs() @ w.abs().T + torch.as_tensor(bias).abs()
+    assert torch.all((got - want).abs() <= 1e-5 * scale + 1e-6), (got - want).abs().max()
+
+
+def _round_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (blocks * inv).round() * d, d
+
+
+def quantize_like_the_kernel(x: torch.Tensor, passes: int = 2) -> torch.Tensor:
+    """x with each block of 32 rounded to 8 bits as csrc/quant_linear.c does (a second pass:
+    the first's rounding error, rounded the same way)."""
+    return _quantize(x, passes)[0]
+
+
+def _quantize(x: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rounded x, each element's largest rounding error: half the last pass's step)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    first, d = _round_blocks(blocks)
+    if passes == 2:
+        second, d = _round_blocks(blocks - first)
+        first = first + second
+    return first.reshape(x.shape), (d / 2).expand_as(blocks).reshape(x.shape)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 64), (5, 200, 576), (33, 17, 96)])
+def test_quant_linear_matches_its_dequantized_weight(kernels, qtype, rows, n, k, passes):
+    weight = random_blocks(qtype, n, k, seed=rows + n)
+    w = weight.dequantize()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+    bias = nn.Parameter(torch.randn(n), requires_grad=False)
+    with torch.inference_mode():
+        got = QuantLinear([weight], bias, kernels, passes=passes)(x)
+        exact = x @ w.T + bias
+    xq, half_step = _quantize(x, passes)
+    assert_same_up_to_fp32_order(got, xq, w, bias)
+    bound = half_step @ w.abs().T  # the activation rounding's worst case
+    assert torch.all((got - exact).abs() <= bound * 1.001 + 2e-5)
+    if passes == 2:  # two passes: about 254x closer to fp32 than one
+        assert (got - exact).abs().max() < 0.05 * (x.abs().max() / 254 * w.abs().sum(1).max())
+
+
+def test_a_fused_weight_of_mixed_types_stacks_its_pieces_in_order(kernels):
+    parts = [random_blocks("Q4_0", 64, 128, 1), random_blocks("Q8_0", 32, 128, 2)]
+    parts.append(random_blocks("Q4_1", 16, 128, 3))
+    w = torch.cat([p.dequantize() for p in parts])
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = QuantLinear(parts, None, kernels)(x.view(3, 1, 128))
+    assert got.shape == (3, 1, 112)
+    assert_same_up_to_fp32_order(got.view(3, 112), quantize_like_the_kernel(x), w)
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+def test_quant_embedding_rows_equal_the_dequantized_rows_and_its_head_is_tied(kernels, qtype):
+    weight = random_blocks(qtype, 50, 64, seed=7)
+    emb = QuantEmbedding(weight, kernels)
+    ids = torch.tensor([[3, 0], [49, 3]])
+    w = weight.dequantize()
+    assert torch.equal(emb(ids), w[ids])  # the same float ops as gguf's dequantizer
+    head = emb.as_linear()
+    assert head.qweight0.data_ptr() == emb.qweight.data_ptr()  # the same bytes, no copy
+    hidden = torch.randn(4, 64)
+    assert_same_up_to_fp32_order(head(hidden), quantize_like_the_kernel(hidden), w)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 50\)"):
+        emb(torch.tensor([50]))
+
+
+def test_quantized_module_checks_the_shape_and_x(kernels):
+    with pytest.raises(ValueError, match=r"expected \(40, 64\)"):
+        quantized_module(nn.Linear(64, 40), [random_blocks("Q8_0", 41, 64, 0)], kernels)
+    with pytest.raises(ValueError, match="needs uint8 rows of 68 bytes"):
+        QuantTensor("Q8_0", torch.zeros(2, 60, dtype=torch.uint8), (2, 64))
+    lin = quantized_module(nn.Linear(64, 40), [random_blocks("Q8_0", 40, 64, 0)], kernels)
+    with pytest.raises(ValueError, match=r"QuantLinear takes float32 CPU \[\.\.\., 64\]"):
+        lin(torch.zeros(2, 64, dtype=torch.bfloat16))
+    assert lin(torch.zeros(0, 64)).shape == (0, 40)
