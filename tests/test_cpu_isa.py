@@ -1,7 +1,7 @@
-"""The C kernels built for the portable instruction set (CONVEYOR_CPU_ISA=portable: what a CPU
-without AVX2 builds, and aarch64's plain C paths) pass the kernel, linear and parity tests on
-this machine, in a pytest of their own: the setting is read once per process, at the first
-build."""
+"""The C kernels built for a lower instruction set than this CPU's (CONVEYOR_CPU_ISA=portable:
+what a CPU without AVX2 builds, and aarch64's plain C paths; avx2: a Zen 3) pass the kernel,
+linear and parity tests on this machine, in a pytest of their own: the setting is read once
+per process, at the first build."""
 
 from __future__ import annotations
 
@@ -13,23 +13,34 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.model import cpu_build
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# The kernels against torch, the linears (the portable GEMM, and auto picking oneDNN), and one
-# family's exact greedy parity with transformers through the whole model.
-PORTABLE_TESTS = [
-    "tests/test_cpu_kernels.py",
-    "tests/test_linear.py",
-    "tests/test_cpu_build.py",
-    "tests/test_parity.py::test_greedy_parity_with_ample_kv[llama]",
-]
+# portable: the kernels against torch, the linears (the portable GEMM, and auto picking
+# oneDNN), the quantized GGUF linears' plain C dot products, and one family's exact greedy
+# parity with transformers through the whole model. avx2: the AVX2 paths without AVX-512
+# (the quantized dot products' maddubs instead of VNNI's dpbusd), as on a Zen 3.
+ISA_TESTS = {
+    "portable": [
+        "tests/test_cpu_kernels.py",
+        "tests/test_linear.py",
+        "tests/test_cpu_build.py",
+        "tests/test_quant_linear.py",
+        "tests/test_parity.py::test_greedy_parity_with_ample_kv[llama]",
+    ],
+    "avx2": ["tests/test_quant_linear.py", "tests/test_linear.py"],
+}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
-def test_the_portable_build_passes_the_kernel_linear_and_parity_tests():
-    env = {**os.environ, "CONVEYOR_CPU_ISA": "portable"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *PORTABLE_TESTS]
+@pytest.mark.parametrize("isa", sorted(ISA_TESTS))
+def test_a_lower_instruction_set_passes_the_kernel_linear_and_parity_tests(isa):
+    if isa == "avx2" and not cpu_build.cpu_flags() >= cpu_build._X86_V3:
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "CONVEYOR_CPU_ISA": isa}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *ISA_TESTS[isa]]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
