@@ -33,7 +33,8 @@ LONG = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
 def server(demo_model_dir, tmp_path_factory):
     """One server for the module (the last test kills one of its replicas)."""
     args = ["--model", str(demo_model_dir), "--served-model-name", MODEL]
-    args += ["--data-parallel-size", "2", "--num-kv-blocks", "128"]
+    # Blocks enough that 20 streams of STREAM_TOKENS on one replica never preempt.
+    args += ["--data-parallel-size", "2", "--num-kv-blocks", "1024"]
     args += ["--engine-stall-timeout", str(STALL_S), "--max-replica-restarts", "1"]
     proc = start_server(args, tmp_path_factory.mktemp("serve-dp"))
     yield proc
@@ -156,8 +157,8 @@ def test_a_stopped_replica_is_hung_its_stream_ends_and_health_is_503(server) -> 
     assert f"(data-parallel replica {holder})" in server.log()
 
 
-STREAMS = 8
-STREAM_TOKENS = 400
+STREAMS = 40  # as in the issue
+STREAM_TOKENS = 300
 
 
 def _health(server) -> tuple[int, dict]:
@@ -198,7 +199,7 @@ def test_a_killed_replica_fails_only_its_requests_and_is_restarted(server) -> No
 
     async def scenario() -> tuple[list[float], tuple[int, dict], list[tuple[str, str | None]]]:
         async with client:
-            held = asyncio.create_task(blocking())
+            blocked = asyncio.create_task(blocking())
             while (
                 _per_replica(
                     await asyncio.to_thread(_metrics, server), "conveyor:num_requests_running"
@@ -211,18 +212,26 @@ def test_a_killed_replica_fails_only_its_requests_and_is_restarted(server) -> No
             for _ in range(STREAMS):  # every stream has its first token: all are running
                 await asyncio.wait_for(first.get(), 120)
             text = await asyncio.to_thread(_metrics, server)
-            running = _per_replica(text, "conveyor:num_requests_running")
+            held = [  # what each replica holds (running or, if ever preempted, waiting)
+                r + w
+                for r, w in zip(
+                    _per_replica(text, "conveyor:num_requests_running"),
+                    _per_replica(text, "conveyor:num_requests_waiting"),
+                    strict=True,
+                )
+            ]
             os.kill(pids[0], signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*streams), 300)
-            return running, await asyncio.wait_for(held, 60), results
+            return held, await asyncio.wait_for(blocked, 60), results
 
-    running, (status, body), results = asyncio.run(scenario())
-    on_killed = int(running[0]) - 1  # replica 0 held the non-streaming request too
-    assert running[2] == STREAMS + 1 and on_killed >= 0, running
+    held, (status, body), results = asyncio.run(scenario())
+    on_killed = int(held[0]) - 1  # replica 0 held the non-streaming request too
+    assert held[2] == STREAMS + 1 and on_killed >= 0, held
     # The other replica's streams ran to their end; only the killed one's ended early.
     done = [r for r in results if r[0] == "done"]
     failed = [r for r in results if r[0] == "error"]
-    assert len(failed) == on_killed and len(done) == STREAMS - on_killed, (running, results)
+    assert len(failed) == on_killed and len(done) == STREAMS - on_killed, (held, results)
+    assert 0 < on_killed < STREAMS  # both replicas held streams
     assert all(finish == "length" for _, finish in done), done
     assert all("Data-parallel replica 0 failed and is restarting" in m for _, m in failed)
     assert status == 503 and body["error"]["type"] == "ServiceUnavailableError", body

@@ -356,7 +356,7 @@ class AsyncLLM:
         the requests it held end with an error; the other replicas' go on."""
         error = EngineNotRunningError(
             f"Data-parallel replica {replica} failed and is restarting, so this request "
-            f"ended: {exc}. Retry it."
+            f"ended; retry it. ({str(exc).rstrip('.')})"
         )
         self._post(self._fail_requests, replica, request_ids, error)
 
