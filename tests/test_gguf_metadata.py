@@ -113,6 +113,18 @@ CASES = {
         {"tokenizer.ggml.eos_token_id": (BIG, U32)},
         r"tokenizer\.ggml\.eos_token_id is 2147483647; it must be a token id from 0 to \d+\.",
     ),
+    "architecture-array": (
+        {"general.architecture": ([1, 2], V.ARRAY)},
+        r"has architecture an array of 2 values; conveyor loads llama, qwen2, qwen3 GGUF files\.",
+    ),
+    "rope_scaling_type-number": (
+        {"{arch}.rope.scaling.type": (3, U32)},
+        r"llama\.rope\.scaling\.type is 3; it must be a string",
+    ),
+    "merges-numbers": (
+        {"tokenizer.ggml.merges": ([1, 2], V.ARRAY)},
+        r"tokenizer\.ggml\.merges is an array of 2 values; it must be an array of strings\.",
+    ),
     "alignment-0": (
         {"general.alignment": (0, U32)},
         r"general\.alignment is 0; it must be a power of two",

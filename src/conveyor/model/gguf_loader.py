@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from conveyor.model.gguf_file import GGUFFile
-from conveyor.model.gguf_metadata import check_gguf_metadata
+from conveyor.model.gguf_metadata import check_gguf_metadata, describe
 
 # general.architecture -> our registry's class name.
 GGUF_ARCHITECTURES = {
@@ -99,9 +99,9 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
     """
     reader = open_gguf(file)
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise ValueError(
-            f"GGUF file {file} has architecture {arch!r}; conveyor loads "
+            f"GGUF file {file} has architecture {describe(arch)}; conveyor loads "
             f"{', '.join(GGUF_ARCHITECTURES)} GGUF files."
         )
     types = {}
@@ -135,6 +135,11 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
         "dtype": _dtype_name(types),
     }
     scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if not isinstance(scaling, (str, type(None))):
+        raise ValueError(
+            f"GGUF file {file}: {arch}.rope.scaling.type is {describe(scaling)}; it must be "
+            "a string ('none' or 'linear')."
+        )
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise ValueError(

@@ -52,19 +52,26 @@ class GGUFModelShape:
     sliding_window: int | None
 
 
+def describe(value: Any) -> str:
+    """A metadata value as an error message shows it: the value itself, or its kind."""
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (bool, np.bool_)):
+        return f"the boolean {bool(value)}"
+    if isinstance(value, (int, float, np.number)):
+        return str(value)
+    if isinstance(value, (list, np.ndarray)):
+        return f"an array of {len(value)} values"
+    return f"a {type(value).__name__}"
+
+
 class _Checker:
     def __init__(self, file: str | os.PathLike[str], reader: GGUFFile, arch: str) -> None:
         self.file, self.metadata, self.arch = file, reader.metadata, arch
         self.tensors = {t.name: t for t in reader.tensors}
 
     def fail(self, key: str, value: Any, should: str) -> ValueError:
-        if isinstance(value, str):
-            shown = repr(value)
-        elif isinstance(value, (int, float, np.number)):
-            shown = str(value)
-        else:
-            shown = f"a {type(value).__name__}"
-        return ValueError(f"GGUF file {self.file}: {key} is {shown}; {should}.")
+        return ValueError(f"GGUF file {self.file}: {key} is {describe(value)}; {should}.")
 
     def same(self, name: str, expected: int, why: str) -> None:
         """`name`, when given, must be the integer `expected`."""
@@ -227,6 +234,11 @@ def _check_tokens(c: _Checker, vocab: int) -> None:
             f"GGUF file {c.file}: tokenizer.ggml.tokens lists {len(tokens)} tokens but "
             f"token_embd.weight has {vocab} rows; they should be equal."
         )
+    merges = c.metadata.get("tokenizer.ggml.merges")
+    if merges is not None and (
+        not isinstance(merges, list) or not all(isinstance(m, str) for m in merges)
+    ):
+        raise c.fail("tokenizer.ggml.merges", merges, "it must be an array of strings")
     for name in ("bos", "eos", "unknown", "padding", "eot", "eom"):
         key = f"tokenizer.ggml.{name}_token_id"
         value = c.metadata.get(key)
