@@ -28,8 +28,9 @@ import numpy as np
 
 from conveyor.model.gguf_file import GGUFFile, GGUFTensor
 
-# The longest context a file may claim: above every released llama / qwen2 / qwen3 model
-# (Qwen2.5-1M: 1,010,000), and small enough that the rotary table built for it fits memory.
+# The longest context a file may claim: that of the longest llama / qwen2 / qwen3 models
+# released (Gradient's Llama-3 8B 4194k: 4,194,304; Qwen2.5-1M: 1,010,000). The rotary table
+# has a row per position (a few GiB at this bound with 128-wide heads, not 2^31 rows).
 MAX_GGUF_CONTEXT = 1 << 22
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
