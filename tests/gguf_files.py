@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -69,13 +70,21 @@ def _random_k_blocks(rows: int, cols: int, qtype: QType, rng: np.random.Generato
 
 
 def write_gguf(
-    checkpoint: Path, out: Path, qtype: QType, embed_qtype: QType | None = None, seed: int = 0
+    checkpoint: Path,
+    out: Path,
+    qtype: QType,
+    embed_qtype: QType | None = None,
+    seed: int = 0,
+    metadata: dict[str, tuple[Any, gguf.GGUFValueType]] | None = None,
 ) -> Path:
     """Write `checkpoint` (an HF folder of tests/hf_checkpoints.py) as the GGUF file `out`.
 
     Args:
         qtype: the type of every 2-D weight (F32 for none).
         embed_qtype: token_embd's type when it differs (llama.cpp often keeps it at Q8_0/Q6_K).
+        metadata: {key: (value, value type)} written instead of (or besides) what the
+            checkpoint gives, e.g. a hostile `llama.block_count` (`{arch}` in a key is the
+            file's architecture).
     """
     cfg = json.loads((checkpoint / "config.json").read_text())
     arch = _ARCH[cfg["model_type"]]
@@ -111,6 +120,8 @@ def write_gguf(
             w.add_tensor(gguf_name(name), gguf.quants.quantize(value, t), raw_dtype=t)
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim))
+    for key, (value, vtype) in (metadata or {}).items():
+        w.kv_data[0][key.format(arch=arch)] = gguf.GGUFValue(value=value, type=vtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,5 +1,6 @@
 """Data-parallel parts without processes: the router's load counting, the replicas' placement,
-the merged per-replica metrics, and the config's checks (issue 17, part 3)."""
+the merged per-replica metrics, and the config's checks (issue 17, part 3); replicas taken down
+and brought up again, and their restart counter (issue 27, item 8)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from tests.serve_process import metric_value
 from conveyor import LLM
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from conveyor.entrypoints.data_parallel import replica_placements
 from conveyor.entrypoints.replica_metrics import DataParallelMetrics
+from conveyor.entrypoints.replica_placement import replica_placements
 from conveyor.entrypoints.replica_router import ReplicaRouter
+from conveyor.entrypoints.request_stream import EngineNotRunningError
 from conveyor.server.config import build_serve_config
+
+RESTARTS = "conveyor:replica_restarts_total"
 
 
 def test_requests_go_to_the_replica_with_fewest_outstanding_tokens_ties_to_lowest() -> None:
@@ -143,3 +147,33 @@ def test_serve_refuses_replicas_with_the_engine_in_a_thread() -> None:
     overrides = {"data_parallel_size": 2, "engine_process": False}
     with pytest.raises(ValueError, match="drop --no-engine-process"):
         build_serve_config(None, overrides)
+
+
+def test_a_replica_taken_down_gets_no_requests_and_hands_back_what_it_held() -> None:
+    router = ReplicaRouter(2, max_model_len=100)
+    router.route("a", 10, 10, n=1)
+    router.route("b", 10, 10, n=1)
+    router.route("c", 10, 10, n=1)
+    assert router.take_down(0) == ["a", "c"]  # its engine died: these never finish there
+    assert router.num_serving == 1 and router.loads == [0, 20]
+    assert router.replica_of("a") is None and router.num_in_flight(0) == 0
+    assert router.route("d", 1, 1, n=1) == 1  # the less loaded one is down
+    assert router.take_down(1) == ["b", "d"]
+    with pytest.raises(EngineNotRunningError, match="No data-parallel replica serves"):
+        router.route("e", 1, 1, n=1)
+    router.bring_up(0)  # restarted
+    assert router.route("e", 1, 1, n=1) == 0 and router.num_serving == 1
+
+
+def test_restarts_are_counted_per_replica_from_zero() -> None:
+    metrics = DataParallelMetrics("m", 0.0, 2)
+    assert [metric_value(metrics.render().decode(), RESTARTS, replica=r) for r in "01"] == [0, 0]
+    metrics.record_replica_restart(1)
+    metrics.record_replica_restart(1)
+    assert [metric_value(metrics.render().decode(), RESTARTS, replica=r) for r in "01"] == [0, 2]
+
+
+def test_max_replica_restarts_must_be_a_non_negative_integer() -> None:
+    assert build_serve_config(None, {"max_replica_restarts": 0})[1].max_replica_restarts == 0
+    with pytest.raises(ValueError, match="max_replica_restarts"):
+        build_serve_config(None, {"max_replica_restarts": -1})

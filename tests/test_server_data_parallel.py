@@ -1,7 +1,9 @@
 """A real `conveyor serve --data-parallel-size 2` (two engine processes, one core each) driven
 by the official `openai` SDK: requests spread over both replicas with the same greedy text as
-one engine, a disconnect aborts on the replica that holds the request, and a killed replica
-ends the server with exit status 1 (issue 17, part 3)."""
+one engine, a disconnect aborts on the replica that holds the request (issue 17, part 3); a
+replica whose engine is SIGKILLed under concurrent streams fails only its own requests while
+the other's complete, and is restarted and serves again; one death past
+--max-replica-restarts ends the server with exit status 1 (issue 27, item 8)."""
 
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ LONG = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
 def server(demo_model_dir, tmp_path_factory):
     """One server for the module (the last test kills one of its replicas)."""
     args = ["--model", str(demo_model_dir), "--served-model-name", MODEL]
-    args += ["--data-parallel-size", "2", "--num-kv-blocks", "128"]
-    args += ["--engine-stall-timeout", str(STALL_S)]
+    # Blocks enough that 20 streams of STREAM_TOKENS on one replica never preempt.
+    args += ["--data-parallel-size", "2", "--num-kv-blocks", "1024"]
+    args += ["--engine-stall-timeout", str(STALL_S), "--max-replica-restarts", "1"]
     proc = start_server(args, tmp_path_factory.mktemp("serve-dp"))
     yield proc
     proc.stop(signal.SIGKILL)
@@ -154,19 +157,133 @@ def test_a_stopped_replica_is_hung_its_stream_ends_and_health_is_503(server) -> 
     assert f"(data-parallel replica {holder})" in server.log()
 
 
+STREAMS = 40  # as in the issue
+STREAM_TOKENS = 300
+
+
+def _health(server) -> tuple[int, dict]:
+    resp = httpx.get(f"{server.base_url}/health", timeout=5)
+    return resp.status_code, resp.json()
+
+
+def test_a_killed_replica_fails_only_its_requests_and_is_restarted(server) -> None:
+    """Before: SIGKILL of one replica's engine ended every stream and the server exited."""
+    pids = _replica_pids(server)
+    restarts = "conveyor:replica_restarts_total"
+    assert [metric_value(_metrics(server), restarts, replica=r) for r in "01"] == [0, 0]
+    assert _health(server) == (200, {"replicas": 2, "serving": 2})
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    long = {"ignore_eos": True}
+
+    async def blocking() -> tuple[int, dict]:
+        # Non-streaming, sent first to idle replicas: it goes to replica 0 (ties go low).
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"model": MODEL, "prompt": "go", "max_tokens": 2000, **long}
+            resp = await http.post(f"{server.base_url}/v1/completions", json=body)
+            return resp.status_code, resp.json()
+
+    async def stream(first: asyncio.Queue) -> tuple[str, str | None]:
+        chunks = await client.completions.create(
+            model=MODEL, prompt="go", max_tokens=STREAM_TOKENS, stream=True, extra_body=long
+        )
+        finish, signalled = None, False
+        try:
+            async for chunk in chunks:
+                if not signalled:
+                    signalled = True
+                    first.put_nowait(None)
+                finish = chunk.choices[0].finish_reason or finish
+        except openai.APIError as exc:
+            return "error", str(exc)
+        return "done", finish
+
+    async def scenario() -> tuple[list[float], tuple[int, dict], list[tuple[str, str | None]]]:
+        async with client:
+            blocked = asyncio.create_task(blocking())
+            while (
+                _per_replica(
+                    await asyncio.to_thread(_metrics, server), "conveyor:num_requests_running"
+                )[0]
+                < 1
+            ):
+                await asyncio.sleep(0.05)
+            first: asyncio.Queue = asyncio.Queue()
+            streams = [asyncio.create_task(stream(first)) for _ in range(STREAMS)]
+            for _ in range(STREAMS):  # every stream has its first token: all are running
+                await asyncio.wait_for(first.get(), 120)
+            text = await asyncio.to_thread(_metrics, server)
+            held = [  # what each replica holds (running or, if ever preempted, waiting)
+                r + w
+                for r, w in zip(
+                    _per_replica(text, "conveyor:num_requests_running"),
+                    _per_replica(text, "conveyor:num_requests_waiting"),
+                    strict=True,
+                )
+            ]
+            os.kill(pids[0], signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*streams), 300)
+            return held, await asyncio.wait_for(blocked, 60), results
+
+    held, (status, body), results = asyncio.run(scenario())
+    on_killed = int(held[0]) - 1  # replica 0 held the non-streaming request too
+    assert held[2] == STREAMS + 1 and on_killed >= 0, held
+    # The other replica's streams ran to their end; only the killed one's ended early.
+    done = [r for r in results if r[0] == "done"]
+    failed = [r for r in results if r[0] == "error"]
+    assert len(failed) == on_killed and len(done) == STREAMS - on_killed, (held, results)
+    assert 0 < on_killed < STREAMS  # both replicas held streams
+    assert all(finish == "length" for _, finish in done), done
+    assert all("Data-parallel replica 0 failed and is restarting" in m for _, m in failed)
+    assert status == 503 and body["error"]["type"] == "ServiceUnavailableError", body
+    assert "replica 0" in body["error"]["message"]
+    code, health = _health(server)  # replica 1 serves on, whatever replica 0's state
+    assert code == 200 and health["replicas"] == 2 and health["serving"] in (1, 2), health
+    deadline = time.monotonic() + 180
+    while _health(server)[1]["serving"] != 2:
+        assert time.monotonic() < deadline, f"replica 0 never came back:\n{server.log()}"
+        time.sleep(0.2)
+    new_pids = _replica_pids(server)
+    assert new_pids[0] != pids[0] and new_pids[1] == pids[1]
+    assert _running(new_pids[0]) and not _running(pids[0])
+    text = _metrics(server)
+    assert [metric_value(text, restarts, replica=r) for r in "01"] == [1, 0]
+    # The restarted replica serves: concurrent requests spread over both again.
+    success = "conveyor:request_success_total"
+    before = _per_replica(text, success, finished_reason="length")
+
+    async def short() -> str:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="x", max_retries=0
+        ) as c:
+            resps = await asyncio.gather(*(
+                c.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=8, extra_body=long)
+                for i in range(8)
+            ))  # fmt: skip
+            return [r.choices[0].finish_reason for r in resps]
+
+    assert asyncio.run(short()) == ["length"] * 8
+    after = _per_replica(_metrics(server), success, finished_reason="length")
+    assert after[0] > before[0] and after[1] > before[1], (before, after)
+    head = httpx.head(f"{server.base_url}/health")
+    assert head.status_code == 200 and head.content == b""
+    assert "Data-parallel replica 0 died" in server.log()
+
+
 # Last in the module: it ends the shared server.
-def test_a_killed_replica_ends_the_server_with_exit_status_1(server) -> None:
+def test_a_death_past_max_replica_restarts_ends_the_server_with_exit_status_1(server) -> None:
     try:
-        pids = _replica_pids(server)
-        os.kill(pids[1], signal.SIGKILL)
+        pids = _replica_pids(server)  # replica 0 was restarted once: the limit
+        os.kill(pids[0], signal.SIGKILL)
         killed = time.monotonic()
         assert server.proc.wait(timeout=30) == 1
         assert time.monotonic() - killed < 15
         # The surviving replica was stopped too: no orphan engine is left behind.
         deadline = time.monotonic() + 10
-        while _running(pids[0]):
-            assert time.monotonic() < deadline, "replica 0 outlived the server"
+        while _running(pids[1]):
+            assert time.monotonic() < deadline, "replica 1 outlived the server"
             time.sleep(0.1)
     finally:
         server.stop(signal.SIGKILL)
-    assert "The engine died; stopping the server with exit status 1" in server.log()
+    log = server.log()
+    assert "Data-parallel replica 0 died after 1 restart(s) (--max-replica-restarts 1)" in log
+    assert "The engine died; stopping the server with exit status 1" in log

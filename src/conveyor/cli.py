@@ -107,6 +107,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--device", help="auto, cpu or cuda")
     add("--data-parallel-size", type=int, metavar="N", help="N engine replicas, each on its own "
         "GPU or CPU cores; requests go to the least loaded (default 1)")  # fmt: skip
+    add("--max-replica-restarts", type=int, metavar="N", help="restart a data-parallel replica "
+        "whose engine died up to N times, then exit 1 (default 3)")  # fmt: skip
     add("--attention-backend", metavar="NAME", help="auto, cpu, torch or triton")
     add(
         "--linear-backend",

@@ -17,7 +17,9 @@ those requests with EngineNotRunningError, and `check_health` raises until it st
 `check_admission` refuses new work (HTTP 503) while more than `max_waiting_requests` sequences
 wait. With `engine_process=True` the same thread runs in a child process (engine_process.py)
 and its reports arrive through a pipe; with `data_parallel_size` N > 1 too, N such processes
-(data_parallel.py) each get their own heartbeat and metrics (labelled `replica`).
+(data_parallel.py) each get their own heartbeat and metrics (labelled `replica`). A replica
+that dies fails only the requests it held and is restarted, up to `max_replica_restarts`
+times each; the engine is dead only past that (or when a single engine dies).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class AsyncLLM:
             the GIL (`conveyor serve` does). `engine` is then None.
         engine_stall_timeout_s: seconds the engine may make no step while requests are in
             flight before it counts as hung (None: never).
+        max_replica_restarts: with data_parallel_size > 1, how many times each replica whose
+            engine died is restarted before the whole engine counts as dead.
         **kwargs: any EngineConfig field, as for `LLM`.
     """
 
@@ -92,6 +96,7 @@ class AsyncLLM:
         max_waiting_requests: int | None = None,
         engine_process: bool = False,
         engine_stall_timeout_s: float | None = None,
+        max_replica_restarts: int = 3,
         **kwargs: Any,
     ) -> None:
         if config is None:
@@ -106,7 +111,12 @@ class AsyncLLM:
             "reject": lambda request_id, exc: self._post(self._reject, request_id, exc),
             "on_dead": self._on_dead,
         }
-        started = start_engine(config, engine_process, callbacks, self._wake)
+        replica_options = {
+            "on_replica_dead": self._on_replica_dead,
+            "on_replica_restarted": lambda replica: self._post(self._wake, replica),
+            "max_replica_restarts": max_replica_restarts,
+        }
+        started = start_engine(config, engine_process, callbacks, self._wake, replica_options)
         self._core: EngineClient = started.core
         self.engine: LLMEngine | None = started.engine
         self.model_path, self.limits = started.model_path, started.limits
@@ -132,6 +142,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
         self._stopping = False
+        self._shut_down = False
         self._ids = itertools.count()
         # One per replica: a replica that stops stepping is hung even while others step.
         self._heartbeats = [Heartbeat(engine_stall_timeout_s) for _ in range(num_replicas)]
@@ -173,6 +184,24 @@ class AsyncLLM:
             raise EngineNotRunningError(hung)
         if self._core.started and not self._core.alive:
             raise EngineNotRunningError("The engine loop has stopped.")
+        if self.num_serving_replicas == 0:
+            raise EngineNotRunningError(
+                f"None of the {self.num_replicas} data-parallel replicas serves right now (their "
+                "engines died and are restarting); retry shortly."
+            )
+
+    @property
+    def num_replicas(self) -> int:
+        """Engine replicas behind this AsyncLLM (data_parallel_size)."""
+        return len(self._heartbeats)
+
+    @property
+    def num_serving_replicas(self) -> int:
+        """Replicas that take new requests: all but those restarting after their engine died
+        (0 once the engine is dead)."""
+        if self._dead is not None:
+            return 0
+        return getattr(self._core, "num_serving", self.num_replicas)
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop admitting requests; abort the ones still running after `grace_s` seconds."""
@@ -181,7 +210,11 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         """Abort every request (their streams end with finish_reason "abort"), stop the
-        engine thread."""
+        engine thread (or processes) and an in-process engine's tensor-parallel workers.
+        Idempotent: a second call returns at once."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self._stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -190,8 +223,17 @@ class AsyncLLM:
         timeout = 2.0 if self._hung is not None else 60.0
         stop = functools.partial(self._core.stop, _SHUTDOWN_REASON, timeout)
         await asyncio.get_running_loop().run_in_executor(None, stop)
+        if self.engine is not None:  # its workers and process group (none without TP)
+            self.engine.shutdown()
         await asyncio.sleep(0)
         self._fail_all(EngineNotRunningError("The engine has shut down."))
+
+    async def __aenter__(self) -> AsyncLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -276,7 +318,11 @@ class AsyncLLM:
             self._abort_soon,
         )  # fmt: skip
         self._streams[request_id] = stream
-        self._core.add(request_id, prompt, ids, params, stream.arrival_time)
+        try:
+            self._core.add(request_id, prompt, ids, params, stream.arrival_time)
+        except BaseException:  # no replica serves (they all died since check_health)
+            del self._streams[request_id]
+            raise
         return stream.outputs()
 
     async def abort(self, request_id: str) -> None:
@@ -304,6 +350,22 @@ class AsyncLLM:
     def _on_dead(self, exc: BaseException) -> None:
         self._dead = exc
         self._post(self._fail_all, EngineNotRunningError(f"The engine failed and stopped: {exc!r}"))
+
+    def _on_replica_dead(self, replica: int, request_ids: list[str], exc: BaseException) -> None:
+        """Data-parallel replica `replica` died and is being restarted (its reader thread):
+        the requests it held end with an error; the other replicas' go on."""
+        error = EngineNotRunningError(
+            f"Data-parallel replica {replica} failed and is restarting, so this request "
+            f"ended; retry it. ({str(exc).rstrip('.')})"
+        )
+        self._post(self._fail_requests, replica, request_ids, error)
+
+    def _fail_requests(self, replica: int, request_ids: list[str], exc: BaseException) -> None:
+        self.metrics.record_replica_restart(replica)  # type: ignore[union-attr]
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.queue.put_nowait(exc)
 
     def _reject(self, request_id: str, exc: ValueError) -> None:
         stream = self._streams.pop(request_id, None)

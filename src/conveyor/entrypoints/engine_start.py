@@ -40,6 +40,7 @@ def start_engine(
     engine_process: bool,
     callbacks: dict[str, Callable[..., Any]],
     wake: Callable[[int], None],
+    replica_options: dict[str, Any] | None = None,
 ) -> StartedEngine:
     """Build the engine client for `config` (its thread or processes start later, with
     `core.start()`).
@@ -47,6 +48,8 @@ def start_engine(
     Args:
         callbacks: "emit", "reject" and "on_dead", as EngineClient implementations take them.
         wake: called with a replica's index when a request reaches an idle replica.
+        replica_options: DataParallelClient's degraded-mode arguments (on_replica_dead,
+            on_replica_restarted, max_replica_restarts); used with data_parallel_size > 1.
     """
     if not engine_process:
         engine = LLMEngine(config)
@@ -58,7 +61,7 @@ def start_engine(
         pending = pool.submit(Tokenizer.from_pretrained, folder) if folder else None
         process: EngineClient
         if config.data_parallel_size > 1:
-            process = DataParallelClient(config, wake=wake, **callbacks)
+            process = DataParallelClient(config, wake=wake, **callbacks, **(replica_options or {}))
         else:
             process = EngineProcess(config, **callbacks)
         info = process.info  # type: ignore[attr-defined]

@@ -1,9 +1,17 @@
 """LLM: offline batch generation on top of LLMEngine, mirroring vLLM's `LLM.generate` and
-`LLM.chat`."""
+`LLM.chat`.
+
+Lifecycle: `shutdown()` (idempotent) stops the tensor-parallel worker processes and leaves
+the torch.distributed group, so that another tensor-parallel LLM may start in this process;
+`with LLM(...) as llm:` calls it on leaving. An LLM that is garbage-collected without it does
+the same through a finalizer (as vLLM's engine client does), which holds the engine and never
+the LLM itself, so it cannot keep the LLM alive.
+"""
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +40,22 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave their process group (no-op without
+        tensor parallelism, or when called again). generate() and chat() then raise."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def _check_running(self) -> None:
+        if not self._finalizer.alive:
+            raise ValueError("this LLM was shut down; create a new LLM to generate again.")
 
     def get_metrics(self) -> list[Metric]:
         """The engine's counters (tokens, preemptions, prefix-cache queries and hits) and
@@ -109,6 +133,7 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         """Check every prompt, then queue them all and run them to the end."""
+        self._check_running()
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

@@ -13,19 +13,23 @@ as sums. `kv_cache_usage_perc` totals as the mean: every replica has the same nu
 blocks, so the mean is the fraction of all the replicas' blocks in use. In PromQL, select
 `replica="all"` for totals, or `replica!="all"` to aggregate replicas yourself (summing every
 series would count each token twice).
+
+`conveyor:replica_restarts_total{replica="i"}` counts the restarts of replica i after its
+engine died (data_parallel.py's degraded mode); it has no "all" series.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from conveyor.engine.outputs import MetricName
 from conveyor.entrypoints.metrics import EngineMetrics
 
 TOTAL_REPLICA = "all"
+REPLICA_RESTARTS = "conveyor:replica_restarts"  # rendered with Prometheus' _total suffix
 _MEAN_GAUGES = {MetricName.KV_CACHE_USAGE_PERC}
 
 
@@ -42,10 +46,23 @@ class DataParallelMetrics:
         ]
         self.registry = CollectorRegistry()
         self.registry.register(self)
+        self._restarts = Counter(
+            REPLICA_RESTARTS,
+            "Restarts of a data-parallel replica whose engine died.",
+            ["model_name", "replica"],
+            registry=self.registry,
+        )
+        for i in range(num_replicas):  # every replica's series from the start, at 0
+            self._restarts.labels(model_name, str(i))
+        self._model_name = model_name
+
+    def record_replica_restart(self, replica: int) -> None:
+        """Replica `replica` died and is being restarted."""
+        self._restarts.labels(self._model_name, str(replica)).inc()
 
     def collect(self) -> Iterator[Metric]:
-        """Every family once: each replica's samples, then the totals (the registry calls
-        this to render)."""
+        """Every replica family once: each replica's samples, then the totals (the registry
+        calls this to render; the restart counter renders itself)."""
         families: dict[str, Metric] = {}
         totals: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
         for metrics in self.replicas:

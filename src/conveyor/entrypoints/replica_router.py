@@ -9,6 +9,10 @@ sum over its in-flight requests; a new request goes to the replica with the leas
 the lowest index. Its tokens are released as outputs arrive and all at once when it finishes
 (stops, is aborted, fails or is rejected).
 
+A replica whose engine died is taken down (`take_down`): it gets no new request, and the
+requests it held are handed back to be failed; `bring_up` returns it once it was restarted.
+With none up, `route` raises EngineNotRunningError.
+
 Routing looks at load only, not at prompt prefixes: each replica has its own prefix cache, so
 two requests sharing a system prompt may land on different replicas and both compute it.
 
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+from conveyor.entrypoints.request_stream import EngineNotRunningError
 
 
 @dataclass(slots=True)
@@ -41,6 +47,7 @@ class ReplicaRouter:
         self._loads = [0] * num_replicas
         self._counts = [0] * num_replicas  # in-flight requests per replica
         self._requests: dict[str, _InFlight] = {}
+        self._up = [True] * num_replicas  # False while a replica is down (restarting)
         self._lock = threading.Lock()
 
     @property
@@ -48,6 +55,31 @@ class ReplicaRouter:
         """Outstanding tokens per replica (a copy)."""
         with self._lock:
             return list(self._loads)
+
+    @property
+    def num_serving(self) -> int:
+        """How many replicas are up (get new requests)."""
+        with self._lock:
+            return sum(self._up)
+
+    def take_down(self, replica: int) -> list[str]:
+        """Stop routing to `replica` (its engine died) and forget what it held.
+
+        Returns:
+            The ids of the requests it held, which will never finish there.
+        """
+        with self._lock:
+            self._up[replica] = False
+            ids = [rid for rid, entry in self._requests.items() if entry.replica == replica]
+            for rid in ids:
+                del self._requests[rid]
+            self._loads[replica] = self._counts[replica] = 0
+            return ids
+
+    def bring_up(self, replica: int) -> None:
+        """Route to `replica` again (its engine was restarted)."""
+        with self._lock:
+            self._up[replica] = True
 
     def num_in_flight(self, replica: int) -> int:
         """How many routed requests replica `replica` holds that have not finished."""
@@ -68,6 +100,7 @@ class ReplicaRouter:
             The replica's index.
         Raises:
             ValueError: `request_id` is already in flight.
+            EngineNotRunningError: every replica is down.
         """
         if max_tokens is None:
             max_tokens = max(self.max_model_len - num_prompt_tokens, 0)
@@ -75,7 +108,13 @@ class ReplicaRouter:
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request_id {request_id!r} is already in flight.")
-            replica = min(range(len(self._loads)), key=self._loads.__getitem__)
+            up = [i for i, is_up in enumerate(self._up) if is_up]
+            if not up:
+                raise EngineNotRunningError(
+                    "No data-parallel replica serves right now (they are restarting); retry "
+                    "shortly."
+                )
+            replica = min(up, key=self._loads.__getitem__)
             self._loads[replica] += cost
             self._counts[replica] += 1
             self._requests[request_id] = _InFlight(replica, cost)

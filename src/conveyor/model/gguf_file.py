@@ -14,6 +14,7 @@ reads the tensors. Layout (little-endian, GGUF v2/v3):
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -49,7 +50,12 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """`metadata` {key: value} (arrays as lists, or numpy arrays for numbers) and `tensors`."""
+    """`metadata` {key: value} (arrays as lists, or numpy arrays for numbers) and `tensors`.
+
+    Every count, length, type and offset read from the file is checked against the bytes
+    that are left before anything is read or allocated for it, so a truncated or hostile
+    file fails in one clear line (ValueError) instead of a numpy or codec error.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         with open(path, "rb") as f:
@@ -57,7 +63,12 @@ class GGUFFile:
         self._pos = 0
         try:
             self._parse()
-        except (struct.error, ValueError, UnicodeDecodeError, IndexError) as exc:
+        except struct.error:  # only _unpack reads past _need's checks: the end of the file
+            raise ValueError(
+                f"cannot read GGUF file {path}: it ends at byte {len(self._map)}, inside its "
+                "header (truncated?)"
+            ) from None
+        except ValueError as exc:
             raise ValueError(f"cannot read GGUF file {path}: {exc}") from None
 
     def _parse(self) -> None:
@@ -67,28 +78,58 @@ class GGUFFile:
         version, n_tensors, n_kv = self._unpack("<I"), self._unpack("<Q"), self._unpack("<Q")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (conveyor reads versions 2 and 3)")
+        # The smallest entries: a key (8-byte length), its type (4) and a 1-byte value; a
+        # tensor's name length, n_dims, one dim, its type and offset (8 + 4 + 8 + 4 + 8).
+        self._need(n_kv * 13, f"{n_kv} metadata entries")
+        self._need(n_tensors * 32, f"{n_tensors} tensor entries")
         self.metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = self._string()
-            self.metadata[key] = self._value(GGUFValueType(self._unpack("<I")))
-        infos = []
-        for _ in range(n_tensors):
-            name = self._string()
-            dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
-            infos.append((name, dims, GGMLQuantizationType(self._unpack("<I")), self._unpack("<Q")))
-        alignment = int(self.metadata.get("general.alignment", 32))
+        for i in range(n_kv):
+            key = self._string(f"metadata key #{i}")
+            self.metadata[key] = self._value(self._value_type(key), key)
+        infos = [self._tensor_info(i) for i in range(n_tensors)]
+        alignment = self.metadata.get("general.alignment", 32)
+        if (
+            isinstance(alignment, bool)
+            or not isinstance(alignment, int)
+            or alignment < 1
+            or alignment & (alignment - 1)
+        ):
+            raise ValueError(f"general.alignment is {alignment!r}; it must be a power of two")
         start = -(-self._pos // alignment) * alignment
         self.tensors = [self._tensor(start, *info) for info in infos]
+
+    def _tensor_info(self, i: int) -> tuple[str, list[int], GGMLQuantizationType, int]:
+        name = self._string(f"the name of tensor #{i}")
+        n_dims = self._unpack("<I")
+        if not 1 <= n_dims <= 4:  # GGML_MAX_DIMS
+            raise ValueError(f"tensor {name} has {n_dims} dimensions; GGUF allows 1 to 4")
+        dims = [self._unpack("<Q") for _ in range(n_dims)]
+        if min(dims) < 1:
+            raise ValueError(f"tensor {name} has dimensions {dims}; each must be at least 1")
+        raw_type = self._unpack("<I")
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise ValueError(f"tensor {name} has unknown ggml type {raw_type}") from None
+        return name, dims, qtype, self._unpack("<Q")
 
     def _tensor(
         self, start: int, name: str, dims: list[int], qtype: GGMLQuantizationType, offset: int
     ) -> GGUFTensor:
         shape = tuple(reversed(dims))  # GGUF lists the innermost dimension first
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)
         block, type_size = GGML_QUANT_SIZES[qtype]
+        if dims[0] % block:
+            raise ValueError(
+                f"tensor {name} ({qtype.name}) has rows of {dims[0]} values, not a multiple of "
+                f"its block size {block}"
+            )
         nbytes = count // block * type_size
         if start + offset + nbytes > len(self._map):
-            raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
+            raise ValueError(
+                f"tensor {name} {list(shape)} ({qtype.name}, {nbytes} bytes at offset {offset}) "
+                f"runs past the end of the file (truncated?)"
+            )
         if qtype in _TYPED:
             data = np.frombuffer(self._map, _TYPED[qtype], count, start + offset).reshape(shape)
         else:
@@ -96,26 +137,55 @@ class GGUFFile:
             data = data.reshape(quant_shape_to_byte_shape(shape, qtype))
         return GGUFTensor(name, qtype, shape, data)
 
+    def _need(self, nbytes: int, what: str) -> None:
+        """Raise unless `nbytes` more bytes follow the read position."""
+        left = len(self._map) - self._pos
+        if nbytes > left:
+            raise ValueError(
+                f"{what} at byte {self._pos} need {nbytes} bytes, but the file has {left} "
+                "left (truncated?)"
+            )
+
     def _unpack(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self._map, self._pos)
         self._pos += struct.calcsize(fmt)
         return value
 
-    def _string(self) -> str:
+    def _string(self, what: str) -> str:
         n = self._unpack("<Q")
-        text = self._map[self._pos : self._pos + n].decode("utf-8")
+        self._need(n, what)
+        start = self._pos
+        try:
+            text = self._map[start : start + n].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad = self._map[start + exc.start]
+            raise ValueError(
+                f"{what} is not valid UTF-8 (byte 0x{bad:02x} at file offset {start + exc.start})"
+            ) from None
         self._pos += n
         return text
 
-    def _value(self, vtype: GGUFValueType) -> Any:
+    def _value_type(self, key: str) -> GGUFValueType:
+        raw = self._unpack("<I")
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise ValueError(f"metadata {key} has unknown value type {raw}") from None
+
+    def _value(self, vtype: GGUFValueType, key: str) -> Any:
         if vtype == GGUFValueType.STRING:
-            return self._string()
+            return self._string(f"the value of {key}")
         if vtype != GGUFValueType.ARRAY:
             return self._unpack(_SCALARS[vtype])
-        item, count = GGUFValueType(self._unpack("<I")), self._unpack("<Q")
+        item, count = self._value_type(key), self._unpack("<Q")
         if item in _SCALARS:  # numbers in one read
             dtype = np.dtype(_SCALARS[item])
+            self._need(dtype.itemsize * count, f"the {count} {item.name} values of {key}")
             values = np.frombuffer(self._map, dtype, count, self._pos)
             self._pos += dtype.itemsize * count
             return values
-        return [self._value(item) for _ in range(count)]
+        # Strings take at least their 8-byte length, arrays their type and count (12).
+        self._need(
+            count * (8 if item == GGUFValueType.STRING else 12), f"the {count} values of {key}"
+        )
+        return [self._value(item, f"{key}[{i}]") for i in range(count)]

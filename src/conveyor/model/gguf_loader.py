@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from conveyor.model.gguf_file import GGUFFile
+from conveyor.model.gguf_metadata import check_gguf_metadata, describe
 from conveyor.model.quant_linear import QUANT_TYPES, QuantTensor
 
 # general.architecture -> our registry's class name.
@@ -95,13 +96,14 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
     dtype="auto" follows on CUDA.
 
     Raises:
-        ValueError: an architecture, tensor type or rope scaling we do not support.
+        ValueError: an architecture, tensor type or rope scaling we do not support, or
+            metadata that does not match the tensors (model/gguf_metadata.py).
     """
     reader = open_gguf(file)
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise ValueError(
-            f"GGUF file {file} has architecture {arch!r}; conveyor loads "
+            f"GGUF file {file} has architecture {describe(arch)}; conveyor loads "
             f"{', '.join(GGUF_ARCHITECTURES)} GGUF files."
         )
     types = {}
@@ -116,45 +118,42 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
         if len(tensor.shape) == 2:
             types[name] = types.get(name, 0) + 1
     names = {t.name for t in reader.tensors}
-    heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embed is None:
-        raise ValueError(f"GGUF file {file} has no token_embd.weight (token embeddings).")
+    shape = check_gguf_metadata(file, reader, arch)
     config: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "gguf_architecture": arch,
-        "hidden_size": hidden,
-        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
-        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
-        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
-        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
-        "vocab_size": int(embed.shape[0]),
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "vocab_size": shape.vocab_size,
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,
         "dtype": _dtype_name(types),
     }
     scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if not isinstance(scaling, (str, type(None))):
+        raise ValueError(
+            f"GGUF file {file}: {arch}.rope.scaling.type is {describe(scaling)}; it must be "
+            "a string ('none' or 'linear')."
+        )
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise ValueError(
                 f"GGUF file {file} uses {scaling!r} rope scaling; conveyor applies only linear "
                 "rope scaling to GGUF files."
             )
-        config["rope_scaling"] = {
-            "rope_type": "linear",
-            "factor": _field(reader, f"{arch}.rope.scaling.factor"),
-        }
+        config["rope_scaling"] = {"rope_type": "linear", "factor": shape.rope_scaling_factor}
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if freqs is not None:
         config["rope_freq_factors"] = _rope_freq_factors(file, freqs, config["head_dim"])
-    window = _field(reader, f"{arch}.attention.sliding_window")
-    if window:
-        config["sliding_window"] = window
+    if shape.sliding_window:
+        config["sliding_window"] = shape.sliding_window
     return config
 
 

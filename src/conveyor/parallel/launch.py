@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -60,10 +61,14 @@ def create_runner(config: EngineConfig) -> ModelRunner:
     addr, port = _rendezvous()
     local = _local_size(size)
     if dist.is_initialized():
+        # An LLM dropped without shutdown() and caught in a reference cycle waits for the
+        # cyclic GC to run its finalizer (which leaves the group): run it now.
+        gc.collect()
+    if dist.is_initialized():
         raise ValueError(
             "a tensor-parallel engine (or another torch.distributed group) is already running "
-            "in this process, and a process holds one group: call that engine's shutdown() "
-            "(LLM(...).llm_engine.shutdown()) first."
+            "in this process, and a process holds one group: call that LLM's shutdown() (or "
+            "use `with LLM(...) as llm:`) first."
         )
     env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(size)}
     env["CONVEYOR_TP_LOG_LEVEL"] = str(logging.getLogger("conveyor").getEffectiveLevel())

@@ -2,8 +2,8 @@
 
     /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize  need the key
     /metrics                      needs it too with metrics_require_api_key
-    /health, /ping (GET or HEAD: 200, or 503 when the engine is dead, hung or shutting down),
-    /version                                                                    stay open
+    /health, /ping (GET or HEAD: 200 with {"replicas": N, "serving": M}, or 503 when the
+    engine is dead, hung, shutting down, or no replica serves),  /version       stay open
 Handlers never block: the model runs in AsyncLLM's engine process (or thread), long text work
 in server/offload.py's threads; errors go through errors.py.
 """
@@ -131,7 +131,10 @@ def build_app(
             engine.check_health()
         except EngineNotRunningError as exc:
             return error_response(str(exc), 503)
-        return Response(status_code=200)
+        # Degraded data parallelism: healthy while one replica serves; the body says how many.
+        return JSONResponse(
+            {"replicas": engine.num_replicas, "serving": engine.num_serving_replicas}
+        )
 
     @app.api_route("/ping", methods=["GET", "HEAD"])
     async def ping() -> Response:

@@ -53,6 +53,10 @@ class ServerConfig:
     tool_call_parser: str | None = None
     # The engine in its own process: streaming work never holds up a step through the GIL.
     engine_process: bool = True
+    # With data_parallel_size > 1: a replica whose engine died fails only its own requests and
+    # is restarted, at most this many times per replica; one more death ends the server with
+    # exit status 1 (as a single engine's death does). 0: the first death ends it.
+    max_replica_restarts: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -67,6 +71,7 @@ class ServerConfig:
         check_positive_int("max_prompts_per_request", self.max_prompts_per_request)
         check_positive_int("max_request_body_bytes", self.max_request_body_bytes)
         check_int("max_header_bytes", self.max_header_bytes, lo=1024)
+        check_int("max_replica_restarts", self.max_replica_restarts, lo=0)
         check_number(
             "engine_stall_timeout",
             self.engine_stall_timeout,

@@ -11,7 +11,10 @@ A second signal exits at once (uvicorn's force exit).
 If the engine dies (its process is killed or crashes), its in-flight requests end with an
 error event, new ones get 503, and the server then stops by itself and exits with status 1
 (ENGINE_DIED_EXIT_CODE), so a supervisor (docker's restart policy, Kubernetes, systemd)
-restarts it. The engine is not restarted in place: a fresh process is the one state known good.
+restarts it. A single engine is not restarted in place: a fresh process is the one state known
+good. With --data-parallel-size N, a replica that dies fails only its own requests and is
+restarted in a fresh process (at most --max-replica-restarts times each); /health says how
+many replicas serve; a death past the limit exits with status 1 as above.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             max_waiting_requests=server_config.max_waiting_requests,
             engine_process=server_config.engine_process,
             engine_stall_timeout_s=server_config.engine_stall_timeout or None,
+            max_replica_restarts=server_config.max_replica_restarts,
         )
         app = build_app(engine, config=server_config)
         grace = server_config.shutdown_timeout
