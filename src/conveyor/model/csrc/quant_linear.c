@@ -219,6 +219,54 @@ row_dot_impl(int qtype, const uint8_t *w, const q8a_block *x, const q8a_block *x
     return hsum(acc) + extra;
 }
 
+/* Four weight rows (ldw bytes apart) against one activation row, into out[0..4): four
+ * independent accumulator chains, and each activation block loaded once for the four. */
+static inline __attribute__((always_inline)) void
+rows4_dot_impl(int qtype, const uint8_t *w, int64_t ldw, const q8a_block *x, const q8a_block *x2,
+               int64_t nb, int two, float *out)
+{
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    float extra[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
+        const __m256i qx2 = two ? _mm256_loadu_si256((const __m256i *)x2[b].q) : qx;
+        const float s = two ? x[b].s + x2[b].s : x[b].s;
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *wi = w + i * ldw;
+            __m256i u, sx, sx2 = qx2;
+            float d;
+            if (qtype == Q8_0) {
+                const q8_0_block *blk = (const q8_0_block *)wi + b;
+                const __m256i q = _mm256_loadu_si256((const __m256i *)blk->q);
+                d = half_to_float(blk->d);
+                u = _mm256_sign_epi8(q, q);
+                sx = _mm256_sign_epi8(qx, q);
+                if (two) sx2 = _mm256_sign_epi8(qx2, q);
+            } else if (qtype == Q4_1) {
+                const q4_1_block *blk = (const q4_1_block *)wi + b;
+                d = half_to_float(blk->d);
+                extra[i] += half_to_float(blk->m) * s;
+                u = unpack_nibbles(blk->qs);
+                sx = qx;
+            } else {
+                const q4_0_block *blk = (const q4_0_block *)wi + b;
+                d = half_to_float(blk->d);
+                extra[i] -= 8.f * d * s;
+                u = unpack_nibbles(blk->qs);
+                sx = qx;
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d),
+                                     _mm256_cvtepi32_ps(dot_u8_s8(u, sx)), acc[i]);
+            if (two)
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * x2[b].d),
+                                         _mm256_cvtepi32_ps(dot_u8_s8(u, sx2)), acc[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) out[i] = hsum(acc[i]) + extra[i];
+}
+
 #else
 
 /* The integer dot of one weight block with 32 activation quants. */
@@ -259,6 +307,12 @@ static inline float row_dot_impl(int qtype, const uint8_t *w, const q8a_block *x
     return acc + extra;
 }
 
+static inline void rows4_dot_impl(int qtype, const uint8_t *w, int64_t ldw, const q8a_block *x,
+                                  const q8a_block *x2, int64_t nb, int two, float *out)
+{
+    for (int i = 0; i < 4; i++) out[i] = row_dot_impl(qtype, w + i * ldw, x, x2, nb, two);
+}
+
 #endif
 
 static int64_t block_bytes(int qtype)
@@ -288,13 +342,25 @@ int conveyor_quant_linear_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t 
         if (tasks > 1 && m * n * nb >= PARALLEL_MIN_BLOCKS)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t j1 = (t + 1) * ROWS_PER_TASK < n ? (t + 1) * ROWS_PER_TASK : n;
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t j = t * ROWS_PER_TASK; j < j1; j++) {
+        for (int64_t r = 0; r < m; r++) {
+            const q8a_block *xr = x + r * nb, *x2r = x2 + r * nb;
+            int64_t j = t * ROWS_PER_TASK;
+            for (; j + 4 <= j1; j += 4) {
+                float dots[4];
+                if (two)
+                    rows4_dot_impl(qtype, w + j * ldw, ldw, xr, x2r, nb, 1, dots);
+                else
+                    rows4_dot_impl(qtype, w + j * ldw, ldw, xr, 0, nb, 0, dots);
+                for (int i = 0; i < 4; i++)
+                    out[r * ldo + j + i] = dots[i] + (bias ? bias[j + i] : 0.f);
+            }
+            for (; j < j1; j++) {
                 const uint8_t *row = w + j * ldw;
-                const float dot = two ? row_dot_impl(qtype, row, x + r * nb, x2 + r * nb, nb, 1)
-                                      : row_dot_impl(qtype, row, x + r * nb, 0, nb, 0);
+                const float dot = two ? row_dot_impl(qtype, row, xr, x2r, nb, 1)
+                                      : row_dot_impl(qtype, row, xr, 0, nb, 0);
                 out[r * ldo + j] = dot + (bias ? bias[j] : 0.f);
             }
+        }
     }
     return 0;
 }
