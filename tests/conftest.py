@@ -13,6 +13,13 @@ import os
 from pathlib import Path
 
 import pytest
+
+# Before torch loads libgomp: the suite's own torch work (transformers references, in-process
+# engines) waits as conveyor does (conveyor/omp_env.py), not spinning against the servers it
+# starts on the same cores.
+import conveyor  # noqa: F401
+
+# isort: split
 import torch
 
 if not torch.cuda.is_available():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -155,10 +156,18 @@ def test_write_demo_model_refuses_a_file_or_foreign_directory(tmp_path: Path) ->
 
 
 def test_demo_model_path_builds_once_then_reuses_the_cache(
-    demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    demo_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
-    first = demo_model_path()
+    with caplog.at_level(logging.INFO, logger="conveyor"):
+        first = demo_model_path()
+    # The first build is slow: `conveyor serve` says what it is doing (and where) meanwhile.
+    building = f"Building the demo model checkpoint in {first} (first run only, about 20 s)"
+    assert caplog.messages == [building]
+    caplog.clear()
     assert first.parent == tmp_path / "cache"
     assert f"v{demo.DEMO_RECIPE_VERSION}" in first.name
     _assert_same_bytes(first, demo_dir)  # a second build in this process: identical bytes
@@ -169,8 +178,10 @@ def test_demo_model_path_builds_once_then_reuses_the_cache(
 
     monkeypatch.setattr(demo, "write_demo_model", fail)
     mtime = (first / "model.safetensors").stat().st_mtime_ns
-    assert demo_model_path() == first
+    with caplog.at_level(logging.INFO, logger="conveyor"):
+        assert demo_model_path() == first
     assert (first / "model.safetensors").stat().st_mtime_ns == mtime
+    assert caplog.messages == []  # a cached checkpoint is used silently
 
 
 def _fake_checkpoint(folder: Path, marker: str) -> Path:

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from conveyor.omp_env import apply_omp_wait_default
+
+# Before anything imports torch (libgomp reads its wait policy once, as it loads).
+apply_omp_wait_default()
+
 __version__ = "0.1.0"
 
 __all__ = [

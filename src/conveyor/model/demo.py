@@ -24,6 +24,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -36,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
     from tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 # Bump when anything below changes the written bytes: cached folders are keyed by it.
 DEMO_RECIPE_VERSION = "2"
@@ -179,6 +182,9 @@ def demo_model_path() -> Path:
     )
     if _is_complete(final):
         return final
+    # Training the BPE and drawing the weights take seconds (~20 s on a busy machine): say
+    # why a first `conveyor serve` is silent meanwhile.
+    logger.info("Building the demo model checkpoint in %s (first run only, about 20 s)", final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like any download
