@@ -183,7 +183,8 @@ def test_huge_context_and_block_counts_fail_before_allocating(hf_dir, tmp_path) 
     assert len(errors) == 2
     assert "context_length is 2147483647" in errors[0]
     assert "block_count is 2147483647" in errors[1]
-    assert peak_kib < 1024 * 1024, f"peak RSS {peak_kib} KiB"  # a 2^31-row table: 16 GiB
+    # torch and conveyor themselves take ~1 GiB in a fresh venv; a 2^31-row table: 16 GiB
+    assert peak_kib < 2 * 1024 * 1024, f"peak RSS {peak_kib} KiB"
 
 
 def _patched(file, old: bytes, new: bytes):
