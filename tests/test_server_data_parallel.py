@@ -34,7 +34,7 @@ def server(demo_model_dir, tmp_path_factory):
     """One server for the module (the last test kills one of its replicas)."""
     args = ["--model", str(demo_model_dir), "--served-model-name", MODEL]
     # Blocks enough that 20 streams of STREAM_TOKENS on one replica never preempt.
-    args += ["--data-parallel-size", "2", "--num-kv-blocks", "1024"]
+    args += ["--data-parallel-size", "2", "--num-kv-blocks", "2048"]
     args += ["--engine-stall-timeout", str(STALL_S), "--max-replica-restarts", "1"]
     proc = start_server(args, tmp_path_factory.mktemp("serve-dp"))
     yield proc
@@ -158,7 +158,7 @@ def test_a_stopped_replica_is_hung_its_stream_ends_and_health_is_503(server) -> 
 
 
 STREAMS = 40  # as in the issue
-STREAM_TOKENS = 300
+STREAM_TOKENS = 1000  # long enough that replica 0's streams still run when it is killed
 
 
 def _health(server) -> tuple[int, dict]:
@@ -225,13 +225,15 @@ def test_a_killed_replica_fails_only_its_requests_and_is_restarted(server) -> No
             return held, await asyncio.wait_for(blocked, 60), results
 
     held, (status, body), results = asyncio.run(scenario())
+    # What each replica held when replica 0 was killed. A stream may end before that snapshot
+    # (or between it and the kill) on a slow machine: it is done, whichever replica ran it.
     on_killed = int(held[0]) - 1  # replica 0 held the non-streaming request too
-    assert held[2] == STREAMS + 1 and on_killed >= 0, held
-    # The other replica's streams ran to their end; only the killed one's ended early.
+    assert on_killed >= 1 and held[1] >= 1, held  # both replicas held streams
     done = [r for r in results if r[0] == "done"]
     failed = [r for r in results if r[0] == "error"]
-    assert len(failed) == on_killed and len(done) == STREAMS - on_killed, (held, results)
-    assert 0 < on_killed < STREAMS  # both replicas held streams
+    assert len(done) + len(failed) == STREAMS
+    # The other replica's streams ran to their end; only the killed one's ended early.
+    assert 1 <= len(failed) <= on_killed and len(done) >= held[1], (held, results)
     assert all(finish == "length" for _, finish in done), done
     assert all("Data-parallel replica 0 failed and is restarting" in m for _, m in failed)
     assert status == 503 and body["error"]["type"] == "ServiceUnavailableError", body
@@ -272,6 +274,8 @@ def test_a_killed_replica_fails_only_its_requests_and_is_restarted(server) -> No
 # Last in the module: it ends the shared server.
 def test_a_death_past_max_replica_restarts_ends_the_server_with_exit_status_1(server) -> None:
     try:
+        _wait_health(server, 200, timeout_s=180)  # both replicas serve again
+        assert _health(server)[1]["serving"] == 2, _health(server)
         pids = _replica_pids(server)  # replica 0 was restarted once: the limit
         os.kill(pids[0], signal.SIGKILL)
         killed = time.monotonic()
