@@ -42,7 +42,11 @@ LAYER_PARTS = {
 }
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 # Random-byte K-quant blocks: (bytes per 256 values, offset of the float16 scale(s), scale).
-_K_QUANTS = {QType.Q4_K: (144, (0, 2), 2e-4), QType.Q6_K: (210, (208,), 3e-5)}
+_K_QUANTS = {
+    QType.Q4_K: (144, (0, 2), 2e-4),
+    QType.Q5_K: (176, (0, 2), 1e-4),
+    QType.Q6_K: (210, (208,), 3e-5),
+}
 
 
 def gguf_name(hf_name: str) -> str:

@@ -38,6 +38,9 @@ CASES = {
     "llama-bf16": ("llama", QType.BF16, None, {}),
     "qwen2-f32": ("qwen2", QType.F32, None, {}),
     "llama-q4_k-embed-q6_k": ("llama", QType.Q4_K, QType.Q6_K, WIDE),
+    # Q5_K weights; Q5_0 is what llama.cpp's Q4_K_M falls back to for widths not a multiple
+    # of 256 (dequantized at load).
+    "qwen2-q5_k-embed-q5_0": ("qwen2", QType.Q5_K, QType.Q5_0, WIDE),
 }
 PROMPTS = 4
 
@@ -68,7 +71,7 @@ def _kept_quantized(name: str) -> bool:
 def test_gguf_greedy_tokens_equal_transformers_on_the_same_file(gguf_case):
     name, _, file, prompts, max_tokens, expected = gguf_case
     # The folder form for one case, the file itself for the others. Exact parity is for the
-    # dequantized weights: linear_backend "onednn" (the default keeps Q8_0 / Q4_0 / Q4_1
+    # dequantized weights: linear_backend "onednn" (the default keeps QUANT_TYPES
     # quantized, judged below).
     model = str(file.parent) if name == "llama-q8_0" else str(file)
     backend = "onednn" if _kept_quantized(name) else "auto"
@@ -88,8 +91,11 @@ def test_quantized_gguf_weights_stay_quantized_and_their_greedy_output_is_close(
         llm = LLM(str(file), num_kv_blocks=64, dtype="float32", linear_backend=backend)
         model = llm.llm_engine.runner.model
         quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
-        # every linear, the embedding and the (tied or not) head
-        assert len(quantized) == (4 * model.config.num_hidden_layers + 2 if backend == "auto"
+        # every linear, and the embedding and the (tied or not) head where their type is kept
+        # (the Q5_0 embedding is dequantized, and tied, so is its head)
+        _, qtype, embed_qtype, _ = CASES[name]
+        ends = 2 if (embed_qtype or qtype).name in QUANT_TYPES else 0
+        assert len(quantized) == (4 * model.config.num_hidden_layers + ends if backend == "auto"
                                   else 0)  # fmt: skip
         runs[backend] = llm.generate(prompts, params, use_tqdm=False)
     check_logprobs_close(runs["auto"], runs["onednn"])
@@ -151,10 +157,10 @@ def test_an_unsupported_gguf_architecture_is_named(tmp_path):
 
 
 def test_an_unsupported_gguf_tensor_type_is_named(tmp_path):
-    q5k = np.zeros((4, 176), np.uint8)  # one Q5_K block (176 bytes) per row of 256 values
-    path = _gguf_with(tmp_path / "g.gguf", "llama", {"blk.0.attn_q.weight": (q5k, QType.Q5_K)})
+    q2k = np.zeros((4, 84), np.uint8)  # one Q2_K block (84 bytes) per row of 256 values
+    path = _gguf_with(tmp_path / "g.gguf", "llama", {"blk.0.attn_q.weight": (q2k, QType.Q2_K)})
     with pytest.raises(
-        ValueError, match=r"blk\.0\.attn_q\.weight .* is Q5_K, which conveyor cannot"
+        ValueError, match=r"blk\.0\.attn_q\.weight .* is Q2_K, which conveyor cannot"
     ):
         LLM(str(path))
 

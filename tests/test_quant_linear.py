@@ -33,17 +33,29 @@ def kernels() -> cpu_kernels.CpuKernels:
     return k
 
 
+# Where each type's float16 scales sit in its block (d, and Q4_1's m or a K-quant's dmin),
+# and their range: a K-quant's weight is d times a 6- or 8-bit sub-block scale times q.
+_SCALES = {"Q4_1": (0, 2, 0.05), "Q4_K": (0, 2, 0.002), "Q5_K": (0, 2, 0.002)}
+_SCALES["Q6_K"] = (208, 1, 0.0005)
+
+
 def random_blocks(qtype: str, rows: int, cols: int, seed: int) -> QuantTensor:
-    """Random quants with small random float16 scales (and Q4_1 minimums)."""
+    """Random quants (and K-quant sub-block scales) with small random float16 scales."""
     rng = np.random.default_rng(seed)
-    nb = cols // 32
-    _, size = QUANT_TYPES[qtype]
+    _, weights, size = QUANT_TYPES[qtype]
+    nb = cols // weights
     blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
-    scales = rng.uniform(-0.05, 0.05, (rows, nb, 2)).astype(np.float16)
-    head = 4 if qtype == "Q4_1" else 2  # d (and m) lead each block
-    blocks[:, :, :head] = scales[:, :, : head // 2].view(np.uint8).reshape(rows, nb, head)
+    at, count, scale = _SCALES.get(qtype, (0, 1, 0.05))
+    scales = rng.uniform(-scale, scale, (rows, nb, count)).astype(np.float16)
+    blocks[:, :, at : at + 2 * count] = scales.view(np.uint8).reshape(rows, nb, 2 * count)
     data = torch.from_numpy(blocks.reshape(rows, nb * size).copy())
     return QuantTensor(qtype, data, (rows, cols))
+
+
+def width(qtype: str, k: int) -> int:
+    """k rounded up to whole blocks of qtype (256 for the K-quants)."""
+    size = QUANT_TYPES[qtype][1]
+    return -(-k // size) * size
 
 
 def assert_same_up_to_fp32_order(got, xq, w, bias=0.0):
@@ -80,6 +92,7 @@ def _quantize(x: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.parametrize("qtype", list(QUANT_TYPES))
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 64), (5, 200, 576), (33, 17, 96)])
 def test_quant_linear_matches_its_dequantized_weight(kernels, qtype, rows, n, k, passes):
+    k = width(qtype, k)
     weight = random_blocks(qtype, n, k, seed=rows + n)
     w = weight.dequantize()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
@@ -96,26 +109,28 @@ def test_quant_linear_matches_its_dequantized_weight(kernels, qtype, rows, n, k,
 
 
 def test_a_fused_weight_of_mixed_types_stacks_its_pieces_in_order(kernels):
-    parts = [random_blocks("Q4_0", 64, 128, 1), random_blocks("Q8_0", 32, 128, 2)]
-    parts.append(random_blocks("Q4_1", 16, 128, 3))
+    # Q4_K_M's shape of a fused qkv: Q4_K q and k, a Q6_K v; and the 32-weight types.
+    types = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q4_1", "Q5_K"]
+    parts = [random_blocks(t, 16 * (i + 1), 256, i) for i, t in enumerate(types)]
     w = torch.cat([p.dequantize() for p in parts])
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        got = QuantLinear(parts, None, kernels)(x.view(3, 1, 128))
-    assert got.shape == (3, 1, 112)
-    assert_same_up_to_fp32_order(got.view(3, 112), quantize_like_the_kernel(x), w)
+        got = QuantLinear(parts, None, kernels)(x.view(3, 1, 256))
+    assert got.shape == (3, 1, 336)
+    assert_same_up_to_fp32_order(got.view(3, 336), quantize_like_the_kernel(x), w)
 
 
 @pytest.mark.parametrize("qtype", list(QUANT_TYPES))
 def test_quant_embedding_rows_equal_the_dequantized_rows_and_its_head_is_tied(kernels, qtype):
-    weight = random_blocks(qtype, 50, 64, seed=7)
+    k = width(qtype, 64)
+    weight = random_blocks(qtype, 50, k, seed=7)
     emb = QuantEmbedding(weight, kernels)
     ids = torch.tensor([[3, 0], [49, 3]])
     w = weight.dequantize()
     assert torch.equal(emb(ids), w[ids])  # the same float ops as gguf's dequantizer
     head = emb.as_linear()
     assert head.qweight0.data_ptr() == emb.qweight.data_ptr()  # the same bytes, no copy
-    hidden = torch.randn(4, 64)
+    hidden = torch.randn(4, k)
     assert_same_up_to_fp32_order(head(hidden), quantize_like_the_kernel(hidden), w)
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 50\)"):
         emb(torch.tensor([50]))
@@ -126,6 +141,8 @@ def test_quantized_module_checks_the_shape_and_x(kernels):
         quantized_module(nn.Linear(64, 40), [random_blocks("Q8_0", 41, 64, 0)], kernels)
     with pytest.raises(ValueError, match="needs uint8 rows of 68 bytes"):
         QuantTensor("Q8_0", torch.zeros(2, 60, dtype=torch.uint8), (2, 64))
+    with pytest.raises(ValueError, match="Q4_K rows hold blocks of 256, got 288 columns"):
+        QuantTensor("Q4_K", torch.zeros(2, 162, dtype=torch.uint8), (2, 288))
     lin = quantized_module(nn.Linear(64, 40), [random_blocks("Q8_0", 40, 64, 0)], kernels)
     with pytest.raises(ValueError, match=r"QuantLinear takes float32 CPU \[\.\.\., 64\]"):
         lin(torch.zeros(2, 64, dtype=torch.bfloat16))

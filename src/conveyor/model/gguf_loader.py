@@ -1,6 +1,7 @@
 """Read a llama.cpp GGUF file as the loader reads an HF folder: a config.json-shaped dict and
 (HF name, tensor) pairs, every quantized tensor dequantized by the `gguf` library, or (with
-`keep_quantized`) the Q8_0 / Q4_0 / Q4_1 weights kept as the file's blocks (quant_linear.py).
+`keep_quantized`) the weights of quant_linear.QUANT_TYPES kept as the file's blocks
+(quant_linear.py).
 
     GGUF name                 HF name
     token_embd.weight         model.embed_tokens.weight
@@ -43,7 +44,8 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 # Tensor types we dequantize (all that `gguf.quants.dequantize` and our tests cover).
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
+GGUF_TYPES += ("Q6_K",)
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -12,8 +12,9 @@ then every parameter is assigned from the checkpoint, converted to the target dt
 
 A GGUF file (model/gguf_loader.py) goes through the same path: its metadata becomes the
 config dict and its tensors, renamed to HF names, the tensor stream. They are dequantized, or
-with `keep_quantized` a Q8_0 / Q4_0 / Q4_1 weight arrives as a QuantTensor and its module is
-replaced by a QuantLinear / QuantEmbedding holding the file's blocks (model/quant_linear.py);
+with `keep_quantized` a weight of a type in quant_linear.QUANT_TYPES (Q8_0, Q4_0, Q4_1, Q4_K,
+Q5_K, Q6_K) arrives as a QuantTensor and its module is replaced by a QuantLinear /
+QuantEmbedding holding the file's blocks (model/quant_linear.py);
 a tied head then shares the embedding's blocks.
 """
 
@@ -172,7 +173,7 @@ def load_model(
         attention_backend: name for get_attention_backend ("auto", "torch", "triton").
         tp: a tensor-parallel rank's TPGroup: the model gets that rank's slices only
             (conveyor.parallel.sharding), each read as a narrow view of the file.
-        keep_quantized: a GGUF file's Q8_0 / Q4_0 / Q4_1 weights stay in their blocks (CPU
+        keep_quantized: a GGUF file's weights of QUANT_TYPES stay in their blocks (CPU
             float32 with the C kernels only; elsewhere everything is dequantized).
     Returns:
         the model; callers run it under torch.inference_mode().

@@ -1,10 +1,11 @@
 """GGUF weights kept quantized: linear layers and the embedding on the file's own blocks.
 
-A GGUF file's Q8_0, Q4_0 and Q4_1 tensors stay in memory as the file has them (4.5 to 8.5
-bits a weight instead of fp32's 32) and run through csrc/quant_linear.c: each step quantizes
-the activations per block of 32 to 8 bits and takes integer dot products with the weight
-blocks (the format's own design; the kernel's header has the arithmetic). Other types (the
-K-quants, F16, BF16) are dequantized at load as before, with a log line saying so.
+A GGUF file's Q8_0, Q4_0, Q4_1 tensors and the K-quants Q4_K, Q5_K and Q6_K (Q4_K_M's
+types) stay in memory as the file has them (4.5 to 8.5 bits a weight instead of fp32's 32)
+and run through csrc/quant_linear.c (and quant_k.c): each step quantizes the activations per
+block of 32 to 8 bits and takes integer dot products with the weight blocks (the formats' own
+design; the kernels' headers have the arithmetic). Other types (Q5_0, Q2_K, F16, BF16, ...)
+are dequantized at load as before, with a log line saying so.
 
     QuantTensor     a weight's blocks: uint8 [rows, row bytes], its type and (rows, cols)
     QuantLinear     y = x @ W.T + b over one or more QuantTensors stacked by rows (a fused
@@ -25,15 +26,22 @@ import numpy as np
 import torch
 from torch import nn
 
-# Types kept quantized: GGML's type id and bytes per block of 32 weights.
-QUANT_TYPES = {"Q8_0": (8, 34), "Q4_0": (2, 18), "Q4_1": (3, 20)}
-BLOCK = 32
+# Types kept quantized: GGML's type id, weights per block and bytes per block.
+QUANT_TYPES = {
+    "Q8_0": (8, 32, 34),
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+BLOCK = 32  # activations are quantized per 32
 _Q8A_BYTES = 40  # one activation block: float d, float s, int8 q[32]
 
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """One GGUF weight's blocks, rows of cols // 32 blocks each."""
+    """One GGUF weight's blocks, rows of cols // (the type's block size) blocks each."""
 
     qtype: str
     data: torch.Tensor  # uint8 [rows, row bytes], contiguous
@@ -41,11 +49,13 @@ class QuantTensor:
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
-        _, block_bytes = QUANT_TYPES[self.qtype]
-        if cols % BLOCK or tuple(self.data.shape) != (rows, cols // BLOCK * block_bytes):
+        _, size, block_bytes = QUANT_TYPES[self.qtype]
+        if cols % size:
+            raise ValueError(f"{self.qtype} rows hold blocks of {size}, got {cols} columns.")
+        if tuple(self.data.shape) != (rows, cols // size * block_bytes):
             raise ValueError(
                 f"{self.qtype} weight of shape {self.shape} needs uint8 rows of "
-                f"{cols // BLOCK * block_bytes} bytes, got {tuple(self.data.shape)}."
+                f"{cols // size * block_bytes} bytes, got {tuple(self.data.shape)}."
             )
 
     def dequantize(self) -> torch.Tensor:

@@ -130,7 +130,7 @@ class ModelRunner:
             self._check_kv_cache_fits(bytes_per_block, config)
         # Before the weights load, so an impossible choice is reported at once.
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
-        # Our C kernels run the linears: a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks stay as they are.
+        # Our C kernels run the linears: a GGUF file's QUANT_TYPES blocks stay as they are.
         self.model = load_model(
             model_path, self.dtype, self.device, config.attention_backend, tp=tp,
             keep_quantized=self.linear_backend == "cpu",

@@ -1,5 +1,6 @@
 /* Linear layers on GGUF's quantized blocks, kept as the file has them: out = x @ W^T + bias
- * for W [N, K] in Q8_0, Q4_0 or Q4_1 rows (conveyor.model.quant_linear.QuantLinear).
+ * for W [N, K] in Q8_0, Q4_0 or Q4_1 rows, or a K-quant's (Q4_K, Q5_K, Q6_K: quant_k.c
+ * holds their super-block arithmetic) (conveyor.model.quant_linear.QuantLinear).
  *
  * The blocks (32 weights each, little-endian, d and m float16):
  *
@@ -35,25 +36,11 @@
  * bytes) stays in L1 while every activation row passes over it.
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-#include "vec_math.h"
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
+#include "quant_blocks.h"
 
-#define QK 32
 #define ROWS_PER_TASK 8
 #define PARALLEL_MIN_BLOCKS 4096
-
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGML's type ids */
-
-typedef struct {
-    float d, s; /* scale, and d * sum(q) */
-    int8_t q[QK];
-} q8a_block; /* 40 bytes */
-
 typedef struct {
     uint16_t d;
     int8_t q[QK];
@@ -69,7 +56,6 @@ typedef struct {
     uint8_t qs[QK / 2];
 } q4_1_block;
 
-_Static_assert(sizeof(q8a_block) == 40, "q8a_block layout");
 _Static_assert(sizeof(q8_0_block) == 34, "Q8_0 layout");
 _Static_assert(sizeof(q4_0_block) == 18, "Q4_0 layout");
 _Static_assert(sizeof(q4_1_block) == 20, "Q4_1 layout");
@@ -79,35 +65,6 @@ static inline int nibble(const uint8_t *qs, int j)
     return j < QK / 2 ? qs[j] & 15 : qs[j - QK / 2] >> 4;
 }
 
-/* IEEE half to float (normal, subnormal, inf and NaN), for builds without F16C. */
-static inline float half_to_float_soft(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else if (exp) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else if (mant) { /* subnormal: normalise */
-        exp = 113;
-        while (!(mant & 0x400)) mant <<= 1, exp--;
-        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    } else {
-        bits = sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline float half_to_float(uint16_t h)
-{
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    return half_to_float_soft(h);
-#endif
-}
 
 static void quantize_block(const float *v, q8a_block *o)
 {
@@ -149,28 +106,11 @@ void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k
 
 #ifdef CONVEYOR_AVX2
 
-static inline __m256i dot_u8_s8(__m256i u, __m256i s)
-{
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
 static inline __m256i unpack_nibbles(const uint8_t *qs)
 {
     const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
     return _mm256_and_si256(both, _mm256_set1_epi8(15));
-}
-
-static inline float hsum(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* One weight row against one activation row: the sum over nb blocks; x2: the second pass's
@@ -334,7 +274,9 @@ int conveyor_quant_linear_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t 
                               float *out, int64_t ldo, int num_threads)
 {
     const int64_t nb = k / QK;
-    if (!block_bytes(qtype)) return 1;
+    const int kquant = quant_k_block_bytes(qtype) > 0;
+    if (!block_bytes(qtype) && !kquant) return 1;
+    if (kquant && k % QK_K) return 1;
     const q8a_block *x = (const q8a_block *)xq, *x2 = x + m * nb;
     const int two = passes > 1;
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
@@ -345,6 +287,12 @@ int conveyor_quant_linear_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t 
         for (int64_t r = 0; r < m; r++) {
             const q8a_block *xr = x + r * nb, *x2r = x2 + r * nb;
             int64_t j = t * ROWS_PER_TASK;
+            if (kquant) {
+                for (; j < j1; j++)
+                    out[r * ldo + j] = quant_k_row_dot(qtype, w + j * ldw, xr, two ? x2r : 0, k) +
+                                       (bias ? bias[j] : 0.f);
+                continue;
+            }
             for (; j + 4 <= j1; j += 4) {
                 float dots[4];
                 if (two)
@@ -372,7 +320,8 @@ int conveyor_quant_rows_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n,
                             const int64_t *ids, int64_t count, float *out, int64_t ldo)
 {
     const int64_t nb = k / QK;
-    int failed = block_bytes(qtype) ? 0 : 1;
+    const int kquant = quant_k_block_bytes(qtype) > 0 && k % QK_K == 0;
+    int failed = block_bytes(qtype) || kquant ? 0 : 1;
     for (int64_t i = 0; i < count && !failed; i++) {
         if (ids[i] < 0 || ids[i] >= n) {
             failed = 2;
@@ -380,6 +329,10 @@ int conveyor_quant_rows_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n,
         }
         const uint8_t *row = w + ids[i] * ldw;
         float *o = out + i * ldo;
+        if (kquant) {
+            quant_k_row_dequantize(qtype, row, k, o);
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++, o += QK) {
             if (qtype == Q8_0) {
                 const q8_0_block *blk = (const q8_0_block *)row + b;

@@ -1,0 +1,86 @@
+/* What the GGUF block kernels share (quant_linear.c: the 32-weight types; quant_k.c: the
+ * 256-weight K-quants): the activation blocks, float16 scales and the integer dot. */
+#ifndef CONVEYOR_QUANT_BLOCKS_H
+#define CONVEYOR_QUANT_BLOCKS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "vec_math.h"
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+#define QK 32    /* weights per activation block (and per Q8_0 / Q4_0 / Q4_1 block) */
+#define QK_K 256 /* weights per K-quant super-block */
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* GGML's type ids */
+
+typedef struct {
+    float d, s; /* scale, and d * sum(q) */
+    int8_t q[QK];
+} q8a_block; /* 40 bytes: one block of 32 activations */
+
+_Static_assert(sizeof(q8a_block) == 40, "q8a_block layout");
+
+/* IEEE half to float (normal, subnormal, inf and NaN), for builds without F16C. */
+static inline float half_to_float_soft(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant) { /* subnormal: normalise */
+        exp = 113;
+        while (!(mant & 0x400)) mant <<= 1, exp--;
+        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float half_to_float(uint16_t h)
+{
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    return half_to_float_soft(h);
+#endif
+}
+
+#ifdef CONVEYOR_AVX2
+
+/* Eight int32 sums, lane i over bytes 4i..4i+3 of u (unsigned) times s (signed). */
+static inline __m256i dot_u8_s8(__m256i u, __m256i s)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#endif
+
+/* quant_k.c: bytes per super-block (0: not a K type); one weight row (k / 256 super-blocks)
+ * against one activation row of k / 32 Q8A blocks (x2: the second pass, or NULL); one row
+ * dequantized to float32. */
+int64_t quant_k_block_bytes(int qtype);
+float quant_k_row_dot(int qtype, const uint8_t *w, const q8a_block *x, const q8a_block *x2,
+                      int64_t k);
+void quant_k_row_dequantize(int qtype, const uint8_t *w, int64_t k, float *out);
+
+#endif
