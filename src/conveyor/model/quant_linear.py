@@ -37,25 +37,36 @@ QUANT_TYPES = {
 }
 BLOCK = 32  # activations are quantized per 32
 _Q8A_BYTES = 40  # one activation block: float d, float s, int8 q[32]
+# The 32-weight types run on rows interleaved eight at a time (csrc/quant_x8.c): bytes of
+# float16 scales leading each file block (d, and Q4_1's m).
+_X8_SCALE_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}
 
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """One GGUF weight's blocks, rows of cols // (the type's block size) blocks each."""
+    """One GGUF weight's blocks: rows of cols // (the type's block size) blocks each, as the
+    file has them, or (`interleaved`, the 32-weight types only) as interleave_x8 made them."""
 
     qtype: str
-    data: torch.Tensor  # uint8 [rows, row bytes], contiguous
+    data: torch.Tensor  # uint8 [rows, row bytes] (interleaved: [ceil(rows / 8), 8 row bytes])
     shape: tuple[int, int]  # (rows, cols) in weights
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
         _, size, block_bytes = QUANT_TYPES[self.qtype]
         if cols % size:
             raise ValueError(f"{self.qtype} rows hold blocks of {size}, got {cols} columns.")
-        if tuple(self.data.shape) != (rows, cols // size * block_bytes):
+        if self.interleaved and self.qtype not in _X8_SCALE_BYTES:
+            raise ValueError(f"{self.qtype} weights are not interleaved.")
+        want = (rows, cols // size * block_bytes)
+        if self.interleaved:
+            want = (-(-rows // 8), 8 * want[1])
+        if tuple(self.data.shape) != want:
             raise ValueError(
-                f"{self.qtype} weight of shape {self.shape} needs uint8 rows of "
-                f"{cols // size * block_bytes} bytes, got {tuple(self.data.shape)}."
+                f"{self.qtype} weight of shape {self.shape} needs uint8 "
+                f"{'groups' if self.interleaved else 'rows'} of {want[1]} bytes, got "
+                f"{tuple(self.data.shape)}."
             )
 
     def dequantize(self) -> torch.Tensor:
@@ -63,8 +74,34 @@ class QuantTensor:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
+        if self.interleaved:
+            raise ValueError("dequantize the weight before interleave_x8.")
         values = dequantize(self.data.numpy(), GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.array(values, np.float32, copy=True).reshape(self.shape))
+
+
+def interleave_x8(weight: QuantTensor) -> QuantTensor:
+    """A Q8_0 / Q4_0 / Q4_1 weight's bytes as csrc/quant_x8.c reads them: uint8
+    [ceil(rows / 8), blocks * 8 * block bytes], each group of eight rows (zero rows pad the
+    last) block by block: the eight rows' scales, then their quants four bytes at a time.
+    The same bytes, reordered; a K-quant weight's rows stay as they are (returned as is)."""
+    if weight.qtype not in _X8_SCALE_BYTES or weight.interleaved:
+        return weight
+    rows, cols = weight.shape
+    _, _, size = QUANT_TYPES[weight.qtype]
+    nb, head = cols // BLOCK, _X8_SCALE_BYTES[weight.qtype]
+    groups = -(-rows // 8)
+    blocks = np.zeros((groups * 8, nb, size), np.uint8)
+    blocks[:rows] = weight.data.numpy().reshape(rows, nb, size)
+    g = blocks.reshape(groups, 8, nb, size)
+    pieces = [  # each float16 of the header, eight rows side by side: [groups, nb, 16]
+        g[:, :, :, at : at + 2].transpose(0, 2, 1, 3).reshape(groups, nb, 16)
+        for at in range(0, head, 2)
+    ]
+    quants = g[:, :, :, head:].reshape(groups, 8, nb, (size - head) // 4, 4)
+    pieces.append(quants.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 8 * (size - head)))
+    out = np.concatenate(pieces, axis=2).reshape(groups, nb * 8 * size)
+    return QuantTensor(weight.qtype, torch.from_numpy(out), weight.shape, interleaved=True)
 
 
 def _stacked(parts: list[QuantTensor]) -> tuple[int, int]:
@@ -101,17 +138,31 @@ class QuantLinear(nn.Module):
         self.qtypes = [p.qtype for p in parts]
         self.rows = [p.shape[0] for p in parts]
         for i, part in enumerate(parts):
-            self.register_buffer(f"qweight{i}", part.data, persistent=False)
+            self.register_buffer(f"qweight{i}", interleave_x8(part).data, persistent=False)
         self.bias = bias
         self._quantize = kernels.fns["conveyor_quantize_q8a_f32"]
         self._linear = kernels.fns["conveyor_quant_linear_f32"]
 
-    def parts(self) -> list[QuantTensor]:
-        """The weight's QuantTensors (views of this module's buffers)."""
-        return [
-            QuantTensor(t, getattr(self, f"qweight{i}"), (n, self.in_features))
-            for i, (t, n) in enumerate(zip(self.qtypes, self.rows, strict=True))
-        ]
+    def _apply(self, fn, recurse=True):  # .to() and friends may move the buffers
+        self._plan = None
+        return super()._apply(fn, recurse)
+
+    def _launches(self) -> list[tuple[int, int, int, int, int | None, int]]:
+        """Per piece: (type id, weight address, its row or group stride, rows, bias address
+        or None, the output column it starts at). Built at the first call (the loader may
+        assign the bias after the module is made) and kept: the calls are per token."""
+        if getattr(self, "_plan", None) is None:
+            bias = self.bias
+            if bias is not None:
+                self._bias = bias.detach().float().contiguous()  # kept alive with the plan
+            plan, start = [], 0
+            for i, (qtype, n) in enumerate(zip(self.qtypes, self.rows, strict=True)):
+                w = getattr(self, f"qweight{i}")
+                b = None if bias is None else self._bias.data_ptr() + 4 * start
+                plan.append((QUANT_TYPES[qtype][0], w.data_ptr(), w.stride(0), n, b, start))
+                start += n
+            self._plan = plan
+        return self._plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.in_features
@@ -122,25 +173,19 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, k)
         if rows.stride(1) != 1:
             rows = rows.contiguous()
-        m, threads = rows.shape[0], torch.get_num_threads()
+        m, threads, passes = rows.shape[0], torch.get_num_threads(), self.passes
         out = torch.empty(m, self.out_features, dtype=torch.float32)
         if m:
-            xq = torch.empty(self.passes, m, k // BLOCK * _Q8A_BYTES, dtype=torch.uint8)
-            self._quantize(
-                rows.data_ptr(), rows.stride(0), m, k, xq.data_ptr(), self.passes, threads
-            )
-            bias = None if self.bias is None else self.bias.detach().float().contiguous()
-            start = 0
-            for i, (qtype, n) in enumerate(zip(self.qtypes, self.rows, strict=True)):
-                w = getattr(self, f"qweight{i}")
+            xq = torch.empty(passes, m, k // BLOCK * _Q8A_BYTES, dtype=torch.uint8)
+            xq_ptr, out_ptr, ldo = xq.data_ptr(), out.data_ptr(), self.out_features
+            self._quantize(rows.data_ptr(), rows.stride(0), m, k, xq_ptr, passes, threads)
+            for type_id, w, ldw, n, bias, start in self._launches():
                 failed = self._linear(
-                    QUANT_TYPES[qtype][0], w.data_ptr(), w.stride(0), n, k, xq.data_ptr(), m,
-                    self.passes, None if bias is None else bias.data_ptr() + 4 * start,
-                    out.data_ptr() + 4 * start, self.out_features, threads,
+                    type_id, w, ldw, n, k, xq_ptr, m, passes, bias, out_ptr + 4 * start, ldo,
+                    threads,
                 )  # fmt: skip
                 if failed:
-                    raise ValueError(f"the quantized kernel does not handle {qtype}.")
-                start += n
+                    raise ValueError(f"the quantized kernel does not handle type {type_id}.")
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -151,13 +196,16 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.qtype = weight.qtype
         self.num_embeddings, self.embedding_dim = weight.shape
+        weight = interleave_x8(weight)  # as the tied head will read it
+        self.interleaved = weight.interleaved
         self.register_buffer("qweight", weight.data, persistent=False)
         self._rows = kernels.fns["conveyor_quant_rows_f32"]
         self._kernels = kernels
 
     def as_linear(self) -> QuantLinear:
         """The tied output head: logits = hidden @ E.T over the same bytes."""
-        part = QuantTensor(self.qtype, self.qweight, (self.num_embeddings, self.embedding_dim))
+        shape = (self.num_embeddings, self.embedding_dim)
+        part = QuantTensor(self.qtype, self.qweight, shape, self.interleaved)
         return QuantLinear([part], None, self._kernels)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,13 @@ static inline float hsum(__m256 v)
 
 #endif
 
+/* quant_x8.c: bytes per block of an interleaved group of eight rows (0: not such a type);
+ * the group's eight dot products with one activation row; row r (< 8) of a group dequantized. */
+int64_t quant_x8_block_bytes(int qtype);
+void quant_x8_group_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *x,
+                        const q8a_block *x2, float *out);
+void quant_x8_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float *out);
+
 /* quant_k.c: bytes per super-block (0: not a K type); one weight row (k / 256 super-blocks)
  * against one activation row of k / 32 Q8A blocks (x2: the second pass, or NULL); one row
  * dequantized to float32. */
