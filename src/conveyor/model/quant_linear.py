@@ -37,18 +37,18 @@ QUANT_TYPES = {
 }
 BLOCK = 32  # activations are quantized per 32
 _Q8A_BYTES = 40  # one activation block: float d, float s, int8 q[32]
-# The 32-weight types run on rows interleaved eight at a time (csrc/quant_x8.c): bytes of
-# float16 scales leading each file block (d, and Q4_1's m).
-_X8_SCALE_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}
+# Every kept type runs on rows interleaved eight at a time (interleave_x8): bytes per block
+# of such a group of eight rows (the K-quants' 6-bit scales decoded to bytes: 2-3% more).
+_X8_BYTES = {"Q8_0": 272, "Q4_0": 144, "Q4_1": 160, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680}
 
 
 @dataclass(frozen=True)
 class QuantTensor:
     """One GGUF weight's blocks: rows of cols // (the type's block size) blocks each, as the
-    file has them, or (`interleaved`, the 32-weight types only) as interleave_x8 made them."""
+    file has them, or (`interleaved`) as interleave_x8 reorders them for the kernels."""
 
     qtype: str
-    data: torch.Tensor  # uint8 [rows, row bytes] (interleaved: [ceil(rows / 8), 8 row bytes])
+    data: torch.Tensor  # uint8 [rows, row bytes] (interleaved: [ceil(rows / 8), group bytes])
     shape: tuple[int, int]  # (rows, cols) in weights
     interleaved: bool = False
 
@@ -57,11 +57,9 @@ class QuantTensor:
         _, size, block_bytes = QUANT_TYPES[self.qtype]
         if cols % size:
             raise ValueError(f"{self.qtype} rows hold blocks of {size}, got {cols} columns.")
-        if self.interleaved and self.qtype not in _X8_SCALE_BYTES:
-            raise ValueError(f"{self.qtype} weights are not interleaved.")
         want = (rows, cols // size * block_bytes)
         if self.interleaved:
-            want = (-(-rows // 8), 8 * want[1])
+            want = (-(-rows // 8), cols // size * _X8_BYTES[self.qtype])
         if tuple(self.data.shape) != want:
             raise ValueError(
                 f"{self.qtype} weight of shape {self.shape} needs uint8 "
@@ -80,27 +78,63 @@ class QuantTensor:
         return torch.from_numpy(np.array(values, np.float32, copy=True).reshape(self.shape))
 
 
+def _side(fields: np.ndarray, width: int) -> np.ndarray:
+    """[groups, 8 rows, blocks, F * width] -> [groups, blocks, F * 8 * width]: each of the F
+    fields (of `width` bytes) of the eight rows side by side."""
+    g, _, n, length = fields.shape
+    split = fields.reshape(g, 8, n, length // width, width).transpose(0, 2, 3, 1, 4)
+    return split.reshape(g, n, 8 * length)
+
+
+def _quads(runs: np.ndarray, run: int) -> np.ndarray:
+    """[groups, 8 rows, blocks, R * run] -> [groups, blocks, 8 * R * run]: each run of `run`
+    bytes as quads: four bytes of each of the eight rows side by side, run // 4 times."""
+    g, _, n, length = runs.shape
+    split = runs.reshape(g, 8, n, length // run, run // 4, 4).transpose(0, 2, 3, 4, 1, 5)
+    return split.reshape(g, n, 8 * length)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and minimums -> (scales[8], minimums[8])."""
+    q = packed.astype(np.uint8)
+    lo_sc, lo_m = q[..., 0:4] & 63, q[..., 4:8] & 63
+    hi_sc = (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)
+    hi_m = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return np.concatenate([lo_sc, hi_sc], -1), np.concatenate([lo_m, hi_m], -1)
+
+
+def _interleaved_pieces(qtype: str, b: np.ndarray) -> list[np.ndarray]:
+    """A group's blocks b [groups, 8, blocks, block bytes] in csrc's interleaved order."""
+    if qtype == "Q8_0":
+        return [_side(b[..., 0:2], 2), _quads(b[..., 2:34], 32)]
+    if qtype == "Q4_0":
+        return [_side(b[..., 0:2], 2), _quads(b[..., 2:18], 16)]
+    if qtype == "Q4_1":
+        return [_side(b[..., 0:2], 2), _side(b[..., 2:4], 2), _quads(b[..., 4:20], 16)]
+    if qtype == "Q6_K":  # ql, qh, sc, d -> d, sc, ql, qh
+        return [_side(b[..., 208:210], 2), _side(b[..., 192:208], 1),
+                _quads(b[..., 0:128], 32), _quads(b[..., 128:192], 32)]  # fmt: skip
+    scales, mins = _k_scales(b[..., 4:16])
+    pieces = [_side(b[..., 0:2], 2), _side(b[..., 2:4], 2), _side(scales, 1), _side(mins, 1)]
+    if qtype == "Q5_K":
+        pieces.append(_quads(b[..., 16:48], 32))
+    return [*pieces, _quads(b[..., -128:], 32)]
+
+
 def interleave_x8(weight: QuantTensor) -> QuantTensor:
-    """A Q8_0 / Q4_0 / Q4_1 weight's bytes as csrc/quant_x8.c reads them: uint8
-    [ceil(rows / 8), blocks * 8 * block bytes], each group of eight rows (zero rows pad the
-    last) block by block: the eight rows' scales, then their quants four bytes at a time.
-    The same bytes, reordered; a K-quant weight's rows stay as they are (returned as is)."""
-    if weight.qtype not in _X8_SCALE_BYTES or weight.interleaved:
+    """A weight's bytes as csrc/quant_x8.c and quant_k.c read them: uint8 [ceil(rows / 8),
+    group bytes], each group of eight rows (zero rows pad the last) block by block, each
+    block's fields for the eight rows side by side (the kernels' headers give the layouts).
+    The file's bytes reordered (the K-quants' packed 6-bit scales decoded to bytes)."""
+    if weight.interleaved:
         return weight
     rows, cols = weight.shape
-    _, _, size = QUANT_TYPES[weight.qtype]
-    nb, head = cols // BLOCK, _X8_SCALE_BYTES[weight.qtype]
-    groups = -(-rows // 8)
-    blocks = np.zeros((groups * 8, nb, size), np.uint8)
-    blocks[:rows] = weight.data.numpy().reshape(rows, nb, size)
-    g = blocks.reshape(groups, 8, nb, size)
-    pieces = [  # each float16 of the header, eight rows side by side: [groups, nb, 16]
-        g[:, :, :, at : at + 2].transpose(0, 2, 1, 3).reshape(groups, nb, 16)
-        for at in range(0, head, 2)
-    ]
-    quants = g[:, :, :, head:].reshape(groups, 8, nb, (size - head) // 4, 4)
-    pieces.append(quants.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 8 * (size - head)))
-    out = np.concatenate(pieces, axis=2).reshape(groups, nb * 8 * size)
+    _, size, block_bytes = QUANT_TYPES[weight.qtype]
+    nb, groups = cols // size, -(-rows // 8)
+    blocks = np.zeros((groups * 8, nb, block_bytes), np.uint8)
+    blocks[:rows] = weight.data.numpy().reshape(rows, nb, block_bytes)
+    pieces = _interleaved_pieces(weight.qtype, blocks.reshape(groups, 8, nb, block_bytes))
+    out = np.concatenate(pieces, axis=2).reshape(groups, nb * _X8_BYTES[weight.qtype])
     return QuantTensor(weight.qtype, torch.from_numpy(out), weight.shape, interleaved=True)
 
 

@@ -82,12 +82,10 @@ void quant_x8_group_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block 
                         const q8a_block *x2, float *out);
 void quant_x8_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float *out);
 
-/* quant_k.c: bytes per super-block (0: not a K type); one weight row (k / 256 super-blocks)
- * against one activation row of k / 32 Q8A blocks (x2: the second pass, or NULL); one row
- * dequantized to float32. */
+/* quant_k.c, the same for the K-quants (bytes per super-block of an interleaved group). */
 int64_t quant_k_block_bytes(int qtype);
-float quant_k_row_dot(int qtype, const uint8_t *w, const q8a_block *x, const q8a_block *x2,
-                      int64_t k);
-void quant_k_row_dequantize(int qtype, const uint8_t *w, int64_t k, float *out);
+void quant_k_group_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *x,
+                       const q8a_block *x2, float *out);
+void quant_k_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float *out);
 
 #endif

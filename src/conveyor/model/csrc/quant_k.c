@@ -1,8 +1,9 @@
-/* GGUF's K-quants kept as the file has them: Q4_K, Q5_K and Q6_K rows against 8-bit
- * activation blocks (quant_linear.c quantizes the activations and runs the rows; this file
- * holds the super-block arithmetic).
+/* GGUF's K-quants Q4_K, Q5_K and Q6_K against 8-bit activation blocks, on weights
+ * interleaved eight rows at a time at load (quant_linear.py's interleave_x8), as quant_x8.c
+ * does for the 32-weight types.
  *
- * A super-block holds 256 weights (little-endian, d and dmin float16):
+ * In the file a super-block holds 256 weights of one row (little-endian, d and dmin
+ * float16):
  *
  *     Q4_K  d, dmin, scales[12], qs[128]           144 bytes
  *     Q5_K  d, dmin, scales[12], qh[32], qs[128]   176 bytes
@@ -14,7 +15,7 @@
  * ones 2c + 1's; Q5_K's fifth bit of weight l of sub-block j is bit j of qh[l].
  *
  * Q6_K: sixteen sub-blocks of 16 with int8 scales; w = (d sc_i) (q - 32), q in 0..63 from a
- * nibble of ql and two bits of qh. In each half of 128 weights (ql + 64 h, qh + 32 h,
+ * nibble of ql and two bits of qh. In each half h of 128 weights (ql + 64 h, qh + 32 h,
  * sc + 8 h), weight 32 b + l (b < 4, l < 32) is
  *
  *     b = 0: ql[l] & 15       | (qh[l] >> 0 & 3) << 4        scale sc[2b + l / 16]
@@ -22,225 +23,237 @@
  *     b = 2: ql[l] >> 4       | (qh[l] >> 4 & 3) << 4
  *     b = 3: ql[l + 32] >> 4  | (qh[l] >> 6 & 3) << 4
  *
- * So each block of 32 weights lines up with one Q8A activation block (dx, qx[32], s =
- * dx sum(qx)), and its contribution is integer dots and per-block float scales:
+ * Interleaved, per group of eight rows and super-block ("quads": a 32-byte run of each row
+ * stored as q[8][8 rows][4], four bytes of each row side by side, as in quant_x8.c):
+ *
+ *     Q4_K  d[8], dmin[8], sc[8][8], m[8][8], qs: 4 runs as quads     1184 bytes
+ *     Q5_K  d[8], dmin[8], sc[8][8], m[8][8], qh quads, qs quads      1440 bytes
+ *     Q6_K  d[8], int8 sc[16][8], ql: 4 runs as quads, qh: 2 runs     1680 bytes
+ *
+ * with the 6-bit scales and minimums decoded to bytes ([sub-block][row]; 2-3% more than the
+ * file for Q4_K and Q5_K, Q6_K the same size). Each block of 32 weights lines up with one
+ * Q8A activation block (dx, qx[32], s = dx sum(qx)), and its contribution is
  *
  *     Q4_K, Q5_K  (d s_j) dx sum(q qx) - (dmin m_j) s
  *     Q6_K        d dx (sc_a (sum_a q qx - 32 sum_a qx) + sc_b (...)), a, b its two halves
  *
- * AVX2: one 32-byte load gives two sub-blocks' quants (masks and shifts), `maddubs` / VNNI's
- * `dpbusd` (quant_blocks.h's dot_u8_s8) the sums; the portable build unpacks each block to
- * integers and sums in C. Both give the same integer sums.
+ * eight rows at once: an integer sum per lane, the lanes' scales converted together.
  */
 #include "quant_blocks.h"
-
-typedef struct {
-    uint16_t d, dmin;
-    uint8_t scales[12];
-    uint8_t qs[QK_K / 2];
-} q4_k_block;
-
-typedef struct {
-    uint16_t d, dmin;
-    uint8_t scales[12];
-    uint8_t qh[QK_K / 8];
-    uint8_t qs[QK_K / 2];
-} q5_k_block;
-
-typedef struct {
-    uint8_t ql[QK_K / 2];
-    uint8_t qh[QK_K / 4];
-    int8_t sc[QK_K / 16];
-    uint16_t d;
-} q6_k_block;
-
-_Static_assert(sizeof(q4_k_block) == 144, "Q4_K layout");
-_Static_assert(sizeof(q5_k_block) == 176, "Q5_K layout");
-_Static_assert(sizeof(q6_k_block) == 210, "Q6_K layout");
 
 int64_t quant_k_block_bytes(int qtype)
 {
     switch (qtype) {
-    case Q4_K: return sizeof(q4_k_block);
-    case Q5_K: return sizeof(q5_k_block);
-    case Q6_K: return sizeof(q6_k_block);
+    case Q4_K: return 1184;
+    case Q5_K: return 1440;
+    case Q6_K: return 1680;
     default: return 0;
     }
 }
 
-/* Sub-block j's 6-bit scale and minimum (Q4_K and Q5_K). */
-static inline void scale_min(const uint8_t *q, int j, int *sc, int *mn)
+/* Offsets in an interleaved super-block of eight rows. */
+enum { K_SC = 32, K_MIN = 96, K_QH = 160 };             /* Q4_K / Q5_K (qs at 160, or 416) */
+enum { Q6_SC = 16, Q6_QL = 144, Q6_QH = 144 + 1024 };  /* Q6_K */
+
+static inline int k_qs(int qtype) { return qtype == Q5_K ? K_QH + 256 : K_QH; }
+
+/* Byte j (< 32) of row r's 32-byte run stored as quads at p. */
+static inline uint8_t quad_byte(const uint8_t *p, int r, int j)
 {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *mn = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+    return p[32 * (j / 4) + 4 * r + j % 4];
 }
 
-/* Block j (< 8) of one super-block as integers: q[32], the scale of its first and second
- * 16 (equal for Q4_K and Q5_K) and the minimum subtracted (0 for Q6_K): w_l = scale q_l - mn. */
-static void unpack_block(int qtype, const uint8_t *sb, int j, int8_t *q, float *scale, float *mn)
+static inline float half_at(const uint8_t *p, int r)
+{
+    uint16_t h;
+    memcpy(&h, p + 2 * r, 2);
+    return half_to_float(h);
+}
+
+/* Block j (< 8) of row r of an interleaved super-block as integers q[32], the scales of its
+ * first and second 16 (equal for Q4_K and Q5_K) and the minimum: w_l = scale q_l - mn. */
+static void unpack_block(int qtype, const uint8_t *sb, int r, int j, int8_t *q, float *scale,
+                         float *mn)
 {
     if (qtype == Q6_K) {
-        const q6_k_block *blk = (const q6_k_block *)sb;
         const int h = j / 4, b = j % 4;
-        const uint8_t *ql = blk->ql + 64 * h + (b & 1) * 32, *qh = blk->qh + 32 * h;
-        const float d = half_to_float(blk->d);
+        const uint8_t *ql = sb + Q6_QL + 512 * h + 256 * (b & 1), *qh = sb + Q6_QH + 256 * h;
         for (int l = 0; l < QK; l++) {
-            const int lo = b < 2 ? ql[l] & 15 : ql[l] >> 4;
-            q[l] = (int8_t)((lo | ((qh[l] >> (2 * b) & 3) << 4)) - 32);
+            const uint8_t low = quad_byte(ql, r, l);
+            const int lo = b < 2 ? low & 15 : low >> 4;
+            q[l] = (int8_t)((lo | ((quad_byte(qh, r, l) >> (2 * b) & 3) << 4)) - 32);
         }
-        scale[0] = d * blk->sc[8 * h + 2 * b];
-        scale[1] = d * blk->sc[8 * h + 2 * b + 1];
+        const int8_t *sc = (const int8_t *)sb + Q6_SC;
+        const float d = half_at(sb, r);
+        scale[0] = d * sc[8 * (8 * h + 2 * b) + r];
+        scale[1] = d * sc[8 * (8 * h + 2 * b + 1) + r];
         *mn = 0.f;
         return;
     }
-    const int c = j / 2, high = j & 1;
-    const uint8_t *scales, *qs, *qh = 0;
-    uint16_t d16, dmin16;
-    if (qtype == Q4_K) {
-        const q4_k_block *blk = (const q4_k_block *)sb;
-        scales = blk->scales, qs = blk->qs, d16 = blk->d, dmin16 = blk->dmin;
-    } else {
-        const q5_k_block *blk = (const q5_k_block *)sb;
-        scales = blk->scales, qs = blk->qs, qh = blk->qh, d16 = blk->d, dmin16 = blk->dmin;
-    }
-    int sc, m;
-    scale_min(scales, j, &sc, &m);
+    const uint8_t *qs = sb + k_qs(qtype) + 256 * (j / 2);
     for (int l = 0; l < QK; l++) {
-        const uint8_t byte = qs[32 * c + l];
-        int v = high ? byte >> 4 : byte & 15;
-        if (qh) v |= (qh[l] >> j & 1) << 4;
+        const uint8_t byte = quad_byte(qs, r, l);
+        int v = j & 1 ? byte >> 4 : byte & 15;
+        if (qtype == Q5_K) v |= (quad_byte(sb + K_QH, r, l) >> j & 1) << 4;
         q[l] = (int8_t)v;
     }
-    scale[0] = scale[1] = half_to_float(d16) * (float)sc;
-    *mn = half_to_float(dmin16) * (float)m;
+    scale[0] = scale[1] = half_at(sb, r) * (float)sb[K_SC + 8 * j + r];
+    *mn = half_at(sb + 16, r) * (float)sb[K_MIN + 8 * j + r];
 }
 
-void quant_k_row_dequantize(int qtype, const uint8_t *w, int64_t k, float *out)
+void quant_k_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float *out)
 {
     const int64_t bytes = quant_k_block_bytes(qtype);
     for (int64_t i = 0; i < k / QK; i++, out += QK) {
         int8_t q[QK];
         float scale[2], mn;
-        unpack_block(qtype, w + i / 8 * bytes, (int)(i % 8), q, scale, &mn);
+        unpack_block(qtype, w + i / 8 * bytes, r, (int)(i % 8), q, scale, &mn);
         for (int l = 0; l < QK; l++) out[l] = scale[l / 16] * q[l] - mn;
     }
 }
 
-#ifdef CONVEYOR_AVX2
+#if defined(CONVEYOR_AVX2) && defined(__F16C__)
 
-/* Sub-blocks 2c and 2c + 1 of a Q4_K / Q5_K super-block as unsigned bytes. */
-static inline void unpack_pair(const uint8_t *qs, const uint8_t *qh, int c, __m256i *lo,
-                               __m256i *hi)
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s)
 {
-    const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-    *lo = _mm256_and_si256(raw, nib);
-    *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-    if (qh) { /* bit j of qh[l]: masked to one bit per byte before the shift into bit 4 */
-        const __m256i bits = _mm256_loadu_si256((const __m256i *)qh);
-        const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * c), one);
-        const __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * c + 1), one);
-        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(b0, 4));
-        *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(b1, 4));
-    }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
 }
 
-static float row_dot_q45k(int qtype, const uint8_t *w, const q8a_block *x, const q8a_block *x2,
-                          int64_t nsb)
+static inline __m256i quad(const int8_t *q, int g)
+{
+    int32_t v;
+    memcpy(&v, q + 4 * g, 4);
+    return _mm256_set1_epi32(v);
+}
+
+static inline __m256 halves8(const uint8_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline __m256 bytes8(const uint8_t *p, int is_signed)
+{
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)p);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
+}
+
+/* Eight rows against one activation row (x2: the second pass, or NULL), nsb super-blocks. */
+static void group_dot_q45k(int qtype, const uint8_t *w, int64_t nsb, const q8a_block *x,
+                           const q8a_block *x2, float *out)
 {
     const int64_t bytes = quant_k_block_bytes(qtype);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float mins = 0.f;
+    const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     for (int64_t i = 0; i < nsb; i++, x += 8, x2 = x2 ? x2 + 8 : 0) {
-        const uint8_t *sb = w + i * bytes, *scales, *qs, *qh = 0;
-        uint16_t d16, dmin16;
-        if (qtype == Q4_K) {
-            const q4_k_block *blk = (const q4_k_block *)sb;
-            scales = blk->scales, qs = blk->qs, d16 = blk->d, dmin16 = blk->dmin;
-        } else {
-            const q5_k_block *blk = (const q5_k_block *)sb;
-            scales = blk->scales, qs = blk->qs, qh = blk->qh, d16 = blk->d, dmin16 = blk->dmin;
-        }
-        const float d = half_to_float(d16), dmin = half_to_float(dmin16);
+        const uint8_t *sb = w + i * bytes, *qs = sb + k_qs(qtype);
+        const __m256 d = halves8(sb), dmin = halves8(sb + 16);
         for (int c = 0; c < 4; c++) {
-            __m256i u[2];
-            unpack_pair(qs, qh, c, &u[0], &u[1]);
-            for (int h = 0; h < 2; h++) {
-                const int j = 2 * c + h;
-                int sc, m;
-                scale_min(scales, j, &sc, &m);
-                const float ds = d * (float)sc;
-                const __m256i qx = _mm256_loadu_si256((const __m256i *)x[j].q);
-                __m256 *acc = h ? &acc1 : &acc0;
-                *acc = _mm256_fmadd_ps(_mm256_set1_ps(ds * x[j].d),
-                                       _mm256_cvtepi32_ps(dot_u8_s8(u[h], qx)), *acc);
-                float s = x[j].s;
-                if (x2) {
-                    const __m256i qx2 = _mm256_loadu_si256((const __m256i *)x2[j].q);
-                    *acc = _mm256_fmadd_ps(_mm256_set1_ps(ds * x2[j].d),
-                                           _mm256_cvtepi32_ps(dot_u8_s8(u[h], qx2)), *acc);
-                    s += x2[j].s;
+            const int j0 = 2 * c, j1 = 2 * c + 1;
+            __m256i a = _mm256_setzero_si256(), b = a, a2 = a, b2 = a;
+            for (int g = 0; g < 8; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 256 * c + 32 * g));
+                __m256i lo = _mm256_and_si256(v, nib);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                if (qtype == Q5_K) {
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(sb + K_QH + 32 * g));
+                    const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(h, j0), one);
+                    const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(h, j1), one);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
                 }
-                mins += dmin * (float)m * s;
+                a = dot_acc(a, lo, quad(x[j0].q, g));
+                b = dot_acc(b, hi, quad(x[j1].q, g));
+                if (x2) {
+                    a2 = dot_acc(a2, lo, quad(x2[j0].q, g));
+                    b2 = dot_acc(b2, hi, quad(x2[j1].q, g));
+                }
             }
+            const __m256 s0 = _mm256_mul_ps(d, bytes8(sb + K_SC + 8 * j0, 0));
+            const __m256 s1 = _mm256_mul_ps(d, bytes8(sb + K_SC + 8 * j1, 0));
+            const __m256 m0 = _mm256_mul_ps(dmin, bytes8(sb + K_MIN + 8 * j0, 0));
+            const __m256 m1 = _mm256_mul_ps(dmin, bytes8(sb + K_MIN + 8 * j1, 0));
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(s0, _mm256_set1_ps(x[j0].d)),
+                                  _mm256_cvtepi32_ps(a), acc);
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(s1, _mm256_set1_ps(x[j1].d)),
+                                  _mm256_cvtepi32_ps(b), acc);
+            float t0 = x[j0].s, t1 = x[j1].s;
+            if (x2) {
+                acc = _mm256_fmadd_ps(_mm256_mul_ps(s0, _mm256_set1_ps(x2[j0].d)),
+                                      _mm256_cvtepi32_ps(a2), acc);
+                acc = _mm256_fmadd_ps(_mm256_mul_ps(s1, _mm256_set1_ps(x2[j1].d)),
+                                      _mm256_cvtepi32_ps(b2), acc);
+                t0 += x2[j0].s, t1 += x2[j1].s;
+            }
+            mins = _mm256_fmadd_ps(m0, _mm256_set1_ps(t0), mins);
+            mins = _mm256_fmadd_ps(m1, _mm256_set1_ps(t1), mins);
         }
     }
-    return hsum(_mm256_add_ps(acc0, acc1)) - mins;
+    _mm256_storeu_ps(out, _mm256_sub_ps(acc, mins));
 }
 
-/* sum_a q qx - 32 sum_a qx per 4-byte lane (lanes 0-3: the block's first 16, 4-7: the rest). */
-static inline __m256i q6_isums(__m256i q, __m256i qx)
+/* 32 times the sum of 16 signed activation quants. */
+static inline int32_t offset16(const int8_t *q)
 {
-    return _mm256_sub_epi32(dot_u8_s8(q, qx), dot_u8_s8(_mm256_set1_epi8(32), qx));
+    const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)q), _mm_set1_epi8(-128));
+    const __m128i sad = _mm_sad_epu8(v, _mm_setzero_si128());
+    return 32 * (_mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4) - 16 * 128);
 }
 
-static float row_dot_q6k(const uint8_t *w, const q8a_block *x, const q8a_block *x2, int64_t nsb)
+/* One activation block's contribution for block b (< 4) of half h, eight rows. */
+static inline __m256 q6_block(const uint8_t *sb, int h, int b, const q8a_block *x, __m256 d)
 {
     const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nsb; i++) {
-        const q6_k_block *blk = (const q6_k_block *)(w + i * sizeof(q6_k_block));
-        const float d = half_to_float(blk->d);
-        for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
-            __m256i q[4];
-            q[0] = _mm256_and_si256(ql0, nib);
-            q[1] = _mm256_and_si256(ql1, nib);
-            q[2] = _mm256_and_si256(_mm256_srli_epi16(ql0, 4), nib);
-            q[3] = _mm256_and_si256(_mm256_srli_epi16(ql1, 4), nib);
-            for (int b = 0; b < 4; b++) {
-                const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * b), three);
-                q[b] = _mm256_or_si256(q[b], _mm256_slli_epi16(top, 4));
-                const int j = 4 * h + b;
-                const int8_t *sc = blk->sc + 8 * h + 2 * b;
-                const __m256 scale = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
-                __m256 *acc = b & 1 ? &acc1 : &acc0;
-                const __m256i qx = _mm256_loadu_si256((const __m256i *)x[8 * i + j].q);
-                *acc = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(x[8 * i + j].d)),
-                                       _mm256_cvtepi32_ps(q6_isums(q[b], qx)), *acc);
-                if (x2) {
-                    const __m256i qx2 = _mm256_loadu_si256((const __m256i *)x2[8 * i + j].q);
-                    *acc = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(x2[8 * i + j].d)),
-                                           _mm256_cvtepi32_ps(q6_isums(q[b], qx2)), *acc);
-                }
-            }
-        }
+    const uint8_t *ql = sb + Q6_QL + 512 * h + 256 * (b & 1), *qh = sb + Q6_QH + 256 * h;
+    __m256i lo = _mm256_setzero_si256(), hi = lo;
+    for (int g = 0; g < 8; g++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * g));
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(qh + 32 * g));
+        const __m256i low = b < 2 ? _mm256_and_si256(v, nib)
+                                  : _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        const __m256i top = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * b), three);
+        const __m256i q = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
+        if (g < 4)
+            lo = dot_acc(lo, q, quad(x->q, g));
+        else
+            hi = dot_acc(hi, q, quad(x->q, g));
     }
-    return hsum(_mm256_add_ps(acc0, acc1));
+    lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(offset16(x->q)));
+    hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(offset16(x->q + 16)));
+    const int8_t *sc = (const int8_t *)sb + Q6_SC + 8 * (8 * h + 2 * b);
+    const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(x->d));
+    const __m256 sum = _mm256_fmadd_ps(bytes8((const uint8_t *)sc, 1), _mm256_cvtepi32_ps(lo),
+                                       _mm256_mul_ps(bytes8((const uint8_t *)sc + 8, 1),
+                                                     _mm256_cvtepi32_ps(hi)));
+    return _mm256_mul_ps(dx, sum);
 }
 
-float quant_k_row_dot(int qtype, const uint8_t *w, const q8a_block *x, const q8a_block *x2,
-                      int64_t k)
+static void group_dot_q6k(const uint8_t *w, int64_t nsb, const q8a_block *x,
+                          const q8a_block *x2, float *out)
 {
-    return qtype == Q6_K ? row_dot_q6k(w, x, x2, k / QK_K)
-                         : row_dot_q45k(qtype, w, x, x2, k / QK_K);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nsb; i++) {
+        const uint8_t *sb = w + i * quant_k_block_bytes(Q6_K);
+        const __m256 d = halves8(sb);
+        for (int j = 0; j < 8; j++) {
+            acc0 = _mm256_add_ps(acc0, q6_block(sb, j / 4, j % 4, x + 8 * i + j, d));
+            if (x2) acc1 = _mm256_add_ps(acc1, q6_block(sb, j / 4, j % 4, x2 + 8 * i + j, d));
+        }
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
+}
+
+void quant_k_group_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *x,
+                       const q8a_block *x2, float *out)
+{
+    if (qtype == Q6_K)
+        group_dot_q6k(w, k / QK_K, x, x2, out);
+    else
+        group_dot_q45k(qtype, w, k / QK_K, x, x2, out);
 }
 
 #else
@@ -253,19 +266,21 @@ static float block_dot(const int8_t *q, const float *scale, float mn, const q8a_
     return x->d * (scale[0] * (float)a + scale[1] * (float)b) - mn * x->s;
 }
 
-float quant_k_row_dot(int qtype, const uint8_t *w, const q8a_block *x, const q8a_block *x2,
-                      int64_t k)
+void quant_k_group_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *x,
+                       const q8a_block *x2, float *out)
 {
     const int64_t bytes = quant_k_block_bytes(qtype);
-    float acc = 0.f;
-    for (int64_t i = 0; i < k / QK; i++) {
-        int8_t q[QK];
-        float scale[2], mn;
-        unpack_block(qtype, w + i / 8 * bytes, (int)(i % 8), q, scale, &mn);
-        acc += block_dot(q, scale, mn, x + i);
-        if (x2) acc += block_dot(q, scale, mn, x2 + i);
+    for (int r = 0; r < 8; r++) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < k / QK; i++) {
+            int8_t q[QK];
+            float scale[2], mn;
+            unpack_block(qtype, w + i / 8 * bytes, r, (int)(i % 8), q, scale, &mn);
+            acc += block_dot(q, scale, mn, x + i);
+            if (x2) acc += block_dot(q, scale, mn, x2 + i);
+        }
+        out[r] = acc;
     }
-    return acc;
 }
 
 #endif

@@ -82,9 +82,9 @@ void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k
 
 /* out[r, j] = sum_k xq[r, k] W[j, k] + bias[j] for r < m, j < n, xq from
  * conveyor_quantize_q8a_f32 with the same passes, bias NULL or [n]. W: for Q8_0, Q4_0 and
- * Q4_1, ceil(n / 8) groups of eight interleaved rows (quant_x8.c), ldw bytes apart; for the
- * K-quants, n rows of k / 256 super-blocks (quant_k.c), ldw bytes apart. Returns 0, or 1 for
- * a type (or a K-quant width) this file does not handle (nothing written). */
+ * Q4_1 (quant_x8.c) and the K-quants (quant_k.c), ceil(n / 8) groups of eight interleaved
+ * rows, ldw bytes apart. Returns 0, or 1 for a type (or a K-quant width) this file does not
+ * handle (nothing written). */
 int conveyor_quant_linear_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
                               const void *xq, int64_t m, int passes, const float *bias,
                               float *out, int64_t ldo, int num_threads)
@@ -103,12 +103,10 @@ int conveyor_quant_linear_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t 
         for (int64_t r = 0; r < m; r++) {
             const q8a_block *xr = x + r * nb, *x2r = x2 ? x2 + r * nb : 0;
             float dots[8];
-            if (kquant) {
-                for (int64_t i = 0; i < rows; i++)
-                    dots[i] = quant_k_row_dot(qtype, w + (j0 + i) * ldw, xr, x2r, k);
-            } else {
+            if (kquant)
+                quant_k_group_dot(qtype, w + t * ldw, k, xr, x2r, dots);
+            else
                 quant_x8_group_dot(qtype, w + t * ldw, k, xr, x2r, dots);
-            }
             for (int64_t i = 0; i < rows; i++)
                 out[r * ldo + j0 + i] = dots[i] + (bias ? bias[j0 + i] : 0.f);
         }
@@ -132,7 +130,8 @@ int conveyor_quant_rows_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n,
             continue;
         }
         if (kquant)
-            quant_k_row_dequantize(qtype, w + ids[i] * ldw, k, out + i * ldo);
+            quant_k_row_dequantize(qtype, w + ids[i] / 8 * ldw, (int)(ids[i] % 8), k,
+                                   out + i * ldo);
         else
             quant_x8_row_dequantize(qtype, w + ids[i] / 8 * ldw, (int)(ids[i] % 8), k,
                                     out + i * ldo);
