@@ -122,7 +122,7 @@ def write(shape_name: str, mix: str, out: Path, tokenizer_from: Path, seed: int 
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for name, dims, qtype in plan:  # one tensor in memory at a time
+    for _, dims, qtype in plan:  # one tensor in memory at a time
         if qtype == QType.F32:
             writer.write_tensor_data(np.ones(dims, np.float32))
         else:
