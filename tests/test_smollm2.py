@@ -12,17 +12,19 @@ two loads overlap. Skipped when the package is not installed (`.ci/run` installs
 from __future__ import annotations
 
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import httpx
 import numpy as np
 import pytest
 import torch
 import transformers
 from openai import OpenAI
 from tests.gguf_files import LAYER_PARTS
-from tests.serve_process import ServeProcess
+from tests.serve_process import ServeProcess, metric_value
 
 from conveyor import LLM, SamplingParams
 
@@ -225,3 +227,39 @@ def test_smollm2_knows_the_capital_of_france(served):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "The capital of France is Paris."
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_smollm2_served_by_two_data_parallel_replicas_gives_the_same_answers(served, tmp_path):
+    """Data parallel with the file's blocks kept quantized: each replica loads them, and
+    requests spread over both get the single server's greedy answers."""
+    server, _ = served
+
+    def answers(base_url: str) -> list[str]:
+        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        with ThreadPoolExecutor(2 * len(QUESTIONS)) as pool:
+            replies = pool.map(
+                lambda q: client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct.Q4_1",
+                    messages=[{"role": "user", "content": q}],
+                    temperature=0,
+                    max_tokens=MAX_TOKENS,
+                ),
+                QUESTIONS * 2,
+            )
+            return [r.choices[0].message.content for r in replies]
+
+    single = answers(server.base_url)
+    args = ["--model", str(GGUF), "--num-kv-blocks", "64", "--max-model-len", "1024"]
+    dp = ServeProcess([*args, "--data-parallel-size", "2"], tmp_path / "serve-dp.log")
+    try:
+        dp.wait_ready(timeout=240)
+        assert answers(dp.base_url) == single
+        metrics = httpx.get(f"{dp.base_url}/metrics").text
+        name = "conveyor:request_success_total"
+        done = [metric_value(metrics, name, replica=r, finished_reason=f) for r in "01"
+                for f in ("stop", "length")]  # fmt: skip
+        assert done[0] + done[1] > 0 and done[2] + done[3] > 0, done  # both replicas served
+    finally:
+        dp.stop()
+    lines = [line for line in dp.log().splitlines() if "GGUF weights (2-D tensors)" in line]
+    assert len(lines) == 2 and all("Q4_1: kept quantized" in line for line in lines), lines
