@@ -87,8 +87,13 @@ def test_quantized_gguf_weights_stay_quantized_and_their_greedy_output_is_close(
         pytest.skip("a type that is dequantized at load (or no C kernels here)")
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=5) for m in max_tokens]
     runs = {}
-    for backend in ("auto", "onednn"):  # the file's blocks, and the same file dequantized
-        llm = LLM(str(file), num_kv_blocks=64, dtype="float32", linear_backend=backend)
+    # the file's blocks (activations in 2 passes, and in llama.cpp's 1), and the file
+    # dequantized
+    for backend, passes in (("auto", 2), ("auto", 1), ("onednn", 2)):
+        llm = LLM(
+            str(file), num_kv_blocks=64, dtype="float32", linear_backend=backend,
+            quant_activation_passes=passes,
+        )  # fmt: skip
         model = llm.llm_engine.runner.model
         quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
         # every linear, and the embedding and the (tied or not) head where their type is kept
@@ -97,8 +102,10 @@ def test_quantized_gguf_weights_stay_quantized_and_their_greedy_output_is_close(
         ends = 2 if (embed_qtype or qtype).name in QUANT_TYPES else 0
         assert len(quantized) == (4 * model.config.num_hidden_layers + ends if backend == "auto"
                                   else 0)  # fmt: skip
-        runs[backend] = llm.generate(prompts, params, use_tqdm=False)
-    check_logprobs_close(runs["auto"], runs["onednn"])
+        assert all(m.passes == passes for m in quantized if isinstance(m, QuantLinear))
+        runs[backend, passes] = llm.generate(prompts, params, use_tqdm=False)
+    check_logprobs_close(runs["auto", 2], runs["onednn", 2])
+    check_logprobs_close(runs["auto", 1], runs["onednn", 2])
 
 
 def test_a_llama3_gguf_applies_its_rope_freqs_like_the_hf_model(tmp_path, tiny_tokenizer_dir):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from conveyor.engine.config import EngineConfig
 from conveyor.model import cpu_kernels
 from conveyor.model.quant_linear import (
     QUANT_TYPES,
@@ -22,6 +23,7 @@ from conveyor.model.quant_linear import (
     QuantLinear,
     QuantTensor,
     quantized_module,
+    set_activation_passes,
 )
 
 
@@ -147,3 +149,13 @@ def test_quantized_module_checks_the_shape_and_x(kernels):
     with pytest.raises(ValueError, match=r"QuantLinear takes float32 CPU \[\.\.\., 64\]"):
         lin(torch.zeros(2, 64, dtype=torch.bfloat16))
     assert lin(torch.zeros(0, 64)).shape == (0, 40)
+
+
+def test_activation_passes_are_one_or_two(kernels):
+    model = nn.Sequential(QuantLinear([random_blocks("Q8_0", 8, 64, 0)], None, kernels))
+    set_activation_passes(model, 1)
+    assert model[0].passes == 1
+    with pytest.raises(ValueError, match="quant_activation_passes must be 1 or 2, got 3"):
+        set_activation_passes(model, 3)
+    with pytest.raises(ValueError, match="quant_activation_passes"):
+        EngineConfig(quant_activation_passes=0)

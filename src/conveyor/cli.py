@@ -115,6 +115,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="GEMMs: auto, cpu (our C kernel), onednn (prepacked) or torch",
     )
+    add("--quant-activation-passes", type=int, metavar="N", help="GGUF blocks kept quantized: "
+        "activations in 2 8-bit passes (default, near fp32) or 1 (llama.cpp's)")  # fmt: skip
     add("--kv-cache-dtype", metavar="DTYPE", help="auto (the model's) or int8 (~2x the blocks)")
     add("--tensor-parallel-size", type=int, metavar="N", help="split the model over N ranks "
         "(one process each; gloo on CPU, NCCL on CUDA; default 1)")  # fmt: skip

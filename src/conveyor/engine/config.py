@@ -43,6 +43,10 @@ class EngineConfig:
     # GEMMs: "onednn" (weights prepacked once for oneDNN; the default on CPU in float32),
     # "torch" (nn.Linear), or "auto" (onednn where it runs, else torch). model/linear.py.
     linear_backend: str = "auto"
+    # GGUF weights kept quantized (model/quant_linear.py): activations quantized per block of
+    # 32 to 8 bits in 2 passes (the second holds the first's rounding error: close to fp32's
+    # results) or 1 (llama.cpp's arithmetic, about half the integer work).
+    quant_activation_passes: int = 2
     dtype: str = "auto"
     # "int8": K/V stored as int8 with a scale per token and head, about half of fp16's bytes,
     # so about twice the blocks for the same kv_cache_space_gb.
@@ -98,6 +102,7 @@ class EngineConfig:
             )
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
+        check_choice("quant_activation_passes", self.quant_activation_passes, (1, 2))
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("device", self.device, DEVICES)

@@ -257,6 +257,16 @@ class QuantEmbedding(nn.Module):
         return out.view(*ids.shape, self.embedding_dim)
 
 
+def set_activation_passes(model: nn.Module, passes: int) -> None:
+    """Every QuantLinear of `model` (the tied head too) quantizes its activations in
+    `passes` (1 or 2) passes."""
+    if passes not in (1, 2):
+        raise ValueError(f"quant_activation_passes must be 1 or 2, got {passes}.")
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.passes = passes
+
+
 def quantized_module(module: nn.Module, parts: list[QuantTensor], kernels: Any) -> nn.Module:
     """The quantized stand-in for `module` (an nn.Linear or nn.Embedding) holding `parts`.
 

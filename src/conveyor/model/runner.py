@@ -46,6 +46,7 @@ from conveyor.model.loader import (
 )
 from conveyor.model.logits_guard import FiniteLogitsGuard
 from conveyor.model.prompt_logprobs import PromptRows, prompt_logprobs
+from conveyor.model.quant_linear import set_activation_passes
 from conveyor.model.sampler import Sampler, SamplerOutput
 from conveyor.parallel.group import StepBatch, TPGroup
 from conveyor.parallel.sharding import Shard
@@ -135,6 +136,7 @@ class ModelRunner:
             model_path, self.dtype, self.device, config.attention_backend, tp=tp,
             keep_quantized=self.linear_backend == "cpu",
         )  # fmt: skip
+        set_activation_passes(self.model, config.quant_activation_passes)
         if self.linear_backend in ("onednn", "cpu"):
             pack_linears(self.model, linear_factory(self.linear_backend))
         # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
