@@ -73,3 +73,15 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from conveyor.model.demo import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("demo-model"))
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The CPU C kernels (model/cpu_kernels.py); skipped where they cannot be built (no C
+    compiler). tests/test_kernels.py has its own `kernels`: the Triton ones."""
+    from conveyor.model import cpu_kernels
+
+    k = cpu_kernels.load()
+    if k is None:
+        pytest.skip("the CPU C kernels cannot be built here (no C compiler)")
+    return k

@@ -28,14 +28,6 @@ from conveyor.model.torch_attention import paged_attention as reference
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def kernels() -> cpu_kernels.CpuKernels:
-    k = cpu_kernels.load()
-    if k is None:  # no C compiler on this machine: the fallback tests below still run
-        pytest.skip("the CPU kernels cannot be built here (no C compiler)")
-    return k
-
-
 def _batch(shapes, hq, hkv, d, bs, seed, dtype=torch.float32, quant=False):
     """A paged cache (shuffled blocks) holding each request's context, and this step's q/k/v.
 

@@ -33,14 +33,6 @@ def test_packed_linear_equals_nn_linear(rows, bias):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def kernels() -> cpu_kernels.CpuKernels:
-    k = cpu_kernels.load()
-    if k is None:
-        pytest.skip("no C kernels on this machine (no C compiler)")
-    return k
-
-
 # 300 rows: more than one block of rows (288); K 600: three blocks of K (256); N 1000 and 7:
 # a last panel of 8 and a single partial panel.
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 16, 40, 300])

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from conveyor.engine.config import EngineConfig
-from conveyor.model import cpu_kernels
 from conveyor.model.quant_linear import (
     QUANT_TYPES,
     QuantEmbedding,
@@ -25,15 +24,6 @@ from conveyor.model.quant_linear import (
     quantized_module,
     set_activation_passes,
 )
-
-
-@pytest.fixture(scope="module")
-def kernels() -> cpu_kernels.CpuKernels:
-    k = cpu_kernels.load()
-    if k is None:
-        pytest.skip("no C kernels on this machine (no C compiler)")
-    return k
-
 
 # Where each type's float16 scales sit in its block (d, and Q4_1's m or a K-quant's dmin),
 # and their range: a K-quant's weight is d times a 6- or 8-bit sub-block scale times q.
