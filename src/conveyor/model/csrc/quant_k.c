@@ -142,9 +142,11 @@ static inline __m256 bytes8(const uint8_t *p, int is_signed)
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
 }
 
-/* Eight rows against one activation row (x2: the second pass, or NULL), nsb super-blocks. */
-static void group_dot_q45k(int qtype, const uint8_t *w, int64_t nsb, const q8a_block *x,
-                           const q8a_block *x2, float *out)
+/* Eight rows against one activation row (x2: the second pass, or NULL), nsb super-blocks;
+ * inlined into one copy per type and pass count (constant flags, no branches in the loop). */
+static inline __attribute__((always_inline)) void
+group_dot_q45k_impl(const int qtype, const uint8_t *w, int64_t nsb, const q8a_block *x,
+                    const q8a_block *x2, float *out)
 {
     const int64_t bytes = quant_k_block_bytes(qtype);
     const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
@@ -196,6 +198,21 @@ static void group_dot_q45k(int qtype, const uint8_t *w, int64_t nsb, const q8a_b
     _mm256_storeu_ps(out, _mm256_sub_ps(acc, mins));
 }
 
+static void group_dot_q45k(int qtype, const uint8_t *w, int64_t nsb, const q8a_block *x,
+                           const q8a_block *x2, float *out)
+{
+    if (qtype == Q5_K) {
+        if (x2)
+            group_dot_q45k_impl(Q5_K, w, nsb, x, x2, out);
+        else
+            group_dot_q45k_impl(Q5_K, w, nsb, x, 0, out);
+    } else if (x2) {
+        group_dot_q45k_impl(Q4_K, w, nsb, x, x2, out);
+    } else {
+        group_dot_q45k_impl(Q4_K, w, nsb, x, 0, out);
+    }
+}
+
 /* 32 times the sum of 16 signed activation quants. */
 static inline int32_t offset16(const int8_t *q)
 {
@@ -205,7 +222,7 @@ static inline int32_t offset16(const int8_t *q)
 }
 
 /* One activation block's contribution for block b (< 4) of half h, eight rows. */
-static inline __m256 q6_block(const uint8_t *sb, int h, int b, const q8a_block *x, __m256 d)
+static inline __attribute__((always_inline)) __m256 q6_block(const uint8_t *sb, int h, int b, const q8a_block *x, __m256 d)
 {
     const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
     const uint8_t *ql = sb + Q6_QL + 512 * h + 256 * (b & 1), *qh = sb + Q6_QH + 256 * h;
@@ -232,8 +249,9 @@ static inline __m256 q6_block(const uint8_t *sb, int h, int b, const q8a_block *
     return _mm256_mul_ps(dx, sum);
 }
 
-static void group_dot_q6k(const uint8_t *w, int64_t nsb, const q8a_block *x,
-                          const q8a_block *x2, float *out)
+static inline __attribute__((always_inline)) void
+group_dot_q6k_impl(const uint8_t *w, int64_t nsb, const q8a_block *x, const q8a_block *x2,
+                   float *out)
 {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t i = 0; i < nsb; i++) {
@@ -245,6 +263,15 @@ static void group_dot_q6k(const uint8_t *w, int64_t nsb, const q8a_block *x,
         }
     }
     _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
+}
+
+static void group_dot_q6k(const uint8_t *w, int64_t nsb, const q8a_block *x,
+                          const q8a_block *x2, float *out)
+{
+    if (x2)
+        group_dot_q6k_impl(w, nsb, x, x2, out);
+    else
+        group_dot_q6k_impl(w, nsb, x, 0, out);
 }
 
 void quant_k_group_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *x,

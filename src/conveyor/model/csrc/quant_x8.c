@@ -53,7 +53,7 @@ static inline __m256i quad(const int8_t *q, int g)
 }
 
 /* The block's eight integer sums against one activation block's quants. */
-static inline __m256i block_isums(int qtype, const uint8_t *q, const int8_t *qx)
+static inline __attribute__((always_inline)) __m256i block_isums(int qtype, const uint8_t *q, const int8_t *qx)
 {
     __m256i isum = _mm256_setzero_si256();
     if (qtype == Q8_0) {
@@ -73,9 +73,11 @@ static inline __m256i block_isums(int qtype, const uint8_t *q, const int8_t *qx)
     return isum;
 }
 
-/* Eight rows' dot products (one group) with one activation row of nb blocks. */
-static void group_dot(int qtype, const uint8_t *w, int64_t nb, const q8a_block *x,
-                      const q8a_block *x2, float *out)
+/* Eight rows' dot products (one group) with one activation row of nb blocks; inlined into
+ * one copy per type and pass count (constant flags, no branches in the loop). */
+static inline __attribute__((always_inline)) void
+group_dot_impl(const int qtype, const uint8_t *w, int64_t nb, const q8a_block *x,
+               const q8a_block *x2, float *out)
 {
     const int64_t bytes = quant_x8_block_bytes(qtype);
     const int head = header_bytes(qtype);
@@ -100,6 +102,20 @@ static void group_dot(int qtype, const uint8_t *w, int64_t nb, const q8a_block *
         }
     }
     _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
+}
+
+#define GROUP_DOT_FOR(T)                                                                       \
+    (x2 ? group_dot_impl(T, w, nb, x, x2, out) : group_dot_impl(T, w, nb, x, 0, out))
+
+static void group_dot(int qtype, const uint8_t *w, int64_t nb, const q8a_block *x,
+                      const q8a_block *x2, float *out)
+{
+    if (qtype == Q8_0)
+        GROUP_DOT_FOR(Q8_0);
+    else if (qtype == Q4_0)
+        GROUP_DOT_FOR(Q4_0);
+    else
+        GROUP_DOT_FOR(Q4_1);
 }
 
 #else
