@@ -16,10 +16,10 @@ import os
 import queue
 import signal
 import subprocess
-import textwrap
 import time
 
 import pytest
+from tests.serve_process import slow_step_env
 
 from conveyor import AsyncLLM, SamplingParams
 from conveyor.engine.config import EngineConfig
@@ -142,37 +142,6 @@ def test_a_stopped_engine_process_misses_its_heartbeat_and_is_killed(demo_model_
         if not _gone(process, 0):
             os.kill(process.pid, signal.SIGCONT)
         process.stop(timeout_s=5)
-
-
-# Makes every step of an engine process that has this environment burn CPU in torch ops (which
-# release the GIL, as the model's do) for CONVEYOR_TEST_SLOW_STEP_S seconds first.
-_SLOW_STEP = textwrap.dedent(
-    """
-    import os
-    if os.environ.get("CONVEYOR_TEST_SLOW_STEP_S"):
-        import time
-        import conveyor
-        import torch
-        from conveyor.engine.llm_engine import LLMEngine
-
-        _seconds, _step = float(os.environ["CONVEYOR_TEST_SLOW_STEP_S"]), LLMEngine.step
-
-        def _slow_step(self):
-            a, end = torch.ones(256, 256), time.monotonic() + _seconds
-            while time.monotonic() < end:
-                a = (a @ a).clamp_(-1, 1)
-            return _step(self)
-
-        LLMEngine.step = _slow_step
-    """
-)
-
-
-def slow_step_env(tmp_path, seconds: float) -> dict[str, str]:
-    """The environment that makes an engine process's steps take `seconds` each."""
-    (tmp_path / "sitecustomize.py").write_text(_SLOW_STEP)
-    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path, "CONVEYOR_TEST_SLOW_STEP_S": str(seconds)}
 
 
 def test_a_step_far_longer_than_the_heartbeat_timeout_is_not_called_hung(

@@ -356,6 +356,8 @@ class AsyncLLM:
             self._loop.call_soon_threadsafe(callback, *args)  # type: ignore[union-attr]
 
     def _on_dead(self, exc: BaseException) -> None:
+        if self._dead is None and not self._shut_down:
+            logger.error("The engine is dead: %s", exc)
         self._dead = exc
         self._post(self._fail_all, EngineNotRunningError(f"The engine failed and stopped: {exc!r}"))
 
