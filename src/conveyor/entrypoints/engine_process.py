@@ -99,7 +99,8 @@ class EngineProcess:
     ) -> None:
         self._emit, self._reject, self._on_dead = emit, reject, on_dead
         self.heartbeat_timeout_s = heartbeat_timeout_s or None
-        self._reported_dead = threading.Event()
+        self._dead_lock = threading.Lock()
+        self._reported_dead = False
         self._stopping = False
         # A fresh interpreter, not multiprocessing's spawn: that re-imports the caller's
         # __main__, which breaks scripts without an `if __name__ == "__main__"` guard.
@@ -279,8 +280,10 @@ class EngineProcess:
                 return
 
     def _report_dead(self, exc: BaseException) -> None:
-        if not self._reported_dead.is_set():
-            self._reported_dead.set()
+        """`on_dead(exc)`, once: the writer and the reader may both see the end."""
+        with self._dead_lock:
+            first, self._reported_dead = not self._reported_dead, True
+        if first:
             self._on_dead(exc)
 
     def _fail(self, thread: str, exc: BaseException) -> None:
