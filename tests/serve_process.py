@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -102,3 +103,34 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(found.get(k) == v for k, v in labels.items()):
             return float(value)
     return 0.0
+
+
+# Makes every step of an engine process that has this environment burn CPU in torch ops (which
+# release the GIL, as the model's do) for CONVEYOR_TEST_SLOW_STEP_S seconds first.
+_SLOW_STEP = textwrap.dedent(
+    """
+    import os
+    if os.environ.get("CONVEYOR_TEST_SLOW_STEP_S"):
+        import time
+        import conveyor
+        import torch
+        from conveyor.engine.llm_engine import LLMEngine
+
+        _seconds, _step = float(os.environ["CONVEYOR_TEST_SLOW_STEP_S"]), LLMEngine.step
+
+        def _slow_step(self):
+            a, end = torch.ones(256, 256), time.monotonic() + _seconds
+            while time.monotonic() < end:
+                a = (a @ a).clamp_(-1, 1)
+            return _step(self)
+
+        LLMEngine.step = _slow_step
+    """
+)
+
+
+def slow_step_env(tmp_path: Path, seconds: float) -> dict[str, str]:
+    """The environment that makes an engine process's steps take `seconds` each."""
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_STEP)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "CONVEYOR_TEST_SLOW_STEP_S": str(seconds)}

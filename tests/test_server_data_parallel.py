@@ -3,11 +3,14 @@ by the official `openai` SDK: requests spread over both replicas with the same g
 one engine, a disconnect aborts on the replica that holds the request (issue 17, part 3); a
 replica whose engine is SIGKILLed under concurrent streams fails only its own requests while
 the other's complete, and is restarted and serves again; one death past
---max-replica-restarts ends the server with exit status 1 (issue 27, item 8)."""
+--max-replica-restarts ends the server with exit status 1 (issue 27, item 8). A replica that
+misses its heartbeat (SIGSTOP) is killed and restarted like a dead one, and its replacement
+beats too (issue 27, item 7)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -36,6 +39,8 @@ def server(demo_model_dir, tmp_path_factory):
     # Blocks enough that 20 streams of STREAM_TOKENS on one replica never preempt.
     args += ["--data-parallel-size", "2", "--num-kv-blocks", "2048"]
     args += ["--engine-stall-timeout", str(STALL_S), "--max-replica-restarts", "1"]
+    # The stopped-replica test is about progress: liveness would kill the stopped replica.
+    args += ["--engine-heartbeat-timeout", "120"]
     proc = start_server(args, tmp_path_factory.mktemp("serve-dp"))
     yield proc
     proc.stop(signal.SIGKILL)
@@ -291,3 +296,39 @@ def test_a_death_past_max_replica_restarts_ends_the_server_with_exit_status_1(se
     log = server.log()
     assert "Data-parallel replica 0 died after 1 restart(s) (--max-replica-restarts 1)" in log
     assert "The engine died; stopping the server with exit status 1" in log
+
+
+def test_a_replica_that_misses_its_heartbeat_is_restarted_and_so_is_watched_again(
+    demo_model_dir, tmp_path
+) -> None:
+    """Before: a stopped replica was never noticed while it held no request."""
+    args = ["--model", str(demo_model_dir), "--data-parallel-size", "2"]
+    args += ["--num-kv-blocks", "128", "--max-replica-restarts", "1"]
+    server = start_server([*args, "--engine-heartbeat-timeout", "2"], tmp_path)
+    stopped: list[int] = []
+    try:
+        pids = _replica_pids(server)
+        os.kill(pids[0], signal.SIGSTOP)
+        stopped.append(pids[0])
+        deadline = time.monotonic() + 180
+        while _replica_pids(server)[0] == pids[0] or _health(server)[1]["serving"] != 2:
+            assert time.monotonic() < deadline, f"replica 0 never came back:\n{server.log()}"
+            time.sleep(0.2)
+        assert not _running(pids[0])  # killed, though it was only stopped
+        body = {"prompt": "x", "max_tokens": 2}
+        resp = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+        # The replacement is watched too: stopped, it is the death past the restart limit.
+        replacement = _replica_pids(server)[0]
+        os.kill(replacement, signal.SIGSTOP)
+        stopped.append(replacement)
+        assert server.proc.wait(timeout=60) == 1
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        server.stop(signal.SIGKILL)
+    log = server.log()
+    for pid in stopped:
+        assert f"(pid {pid}) sent nothing for 2 s, not even its heartbeat" in log, log
+    assert "Data-parallel replica 0 died after 1 restart(s)" in log

@@ -1,9 +1,13 @@
-"""Signals to the real engine process of a real `conveyor serve` (issue 14, items 6 and 7).
+"""Signals to the real engine process of a real `conveyor serve` (issue 14, items 6 and 7;
+issue 27, item 7).
 
-A stopped engine (SIGSTOP) is hung: once it has had work and made no step for
+Progress: a stopped engine (SIGSTOP) is hung: once it has had work and made no step for
 --engine-stall-timeout seconds, /health answers 503 and the in-flight stream ends with an
-error event; continued (SIGCONT), it serves again. A killed engine (SIGKILL): the stream ends
-with an error event, and the server exits on its own with status 1 so a supervisor restarts it.
+error event; continued (SIGCONT), it serves again. Liveness: an engine process that sends
+nothing, not even its beat, for --engine-heartbeat-timeout seconds (stopped, with or without
+work) is killed, and the server exits 1; a step far longer than that timeout still beats. A
+killed engine (SIGKILL): the stream ends with an error event, and the server exits on its own
+with status 1 so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
-from tests.serve_process import start_server
+from tests.serve_process import slow_step_env, start_server
 
 STALL_S = 2.0
 LONG = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -50,6 +54,8 @@ def _wait_status(url: str, status: int, timeout_s: float = 30) -> None:
 
 def test_a_stopped_engine_is_reported_hung_and_its_streams_end(demo_model_dir, tmp_path) -> None:
     args = ["--model", str(demo_model_dir), "--num-kv-blocks", "300"]
+    # Progress only: the liveness check would kill the stopped engine, given time.
+    args += ["--engine-heartbeat-timeout", "120"]
     server = start_server([*args, "--engine-stall-timeout", str(STALL_S)], tmp_path)
     url = server.base_url
     pid = _engine_pid(server)
@@ -102,3 +108,62 @@ def test_a_killed_engine_ends_streams_and_the_server_exits_1(demo_model_dir, tmp
         server.stop(signal.SIGKILL)
     log = server.log()
     assert "The engine died; stopping the server with exit status 1" in log
+
+
+HEARTBEAT_S = 2.0
+
+
+def test_a_stopped_idle_engine_misses_its_heartbeat_and_the_server_exits_1(
+    demo_model_dir, tmp_path
+) -> None:
+    """Before: with no request in flight nothing noticed; /health said 200 for as long as the
+    engine stayed stopped (and the stall timeout, 120 s by default, needs work in flight)."""
+    args = ["--model", str(demo_model_dir), "--num-kv-blocks", "64"]
+    server = start_server([*args, "--engine-heartbeat-timeout", str(HEARTBEAT_S)], tmp_path)
+    url = server.base_url
+    pid = _engine_pid(server)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while (health := _health_or_none(url)) is not None and health.status_code == 200:
+            assert time.monotonic() - stopped < 30, "/health stayed 200"
+            time.sleep(0.1)
+        if health is not None:  # else the server has exited already
+            assert health.status_code == 503, health.text
+            assert "not even its heartbeat" in health.json()["error"]["message"]
+        assert server.proc.wait(timeout=30) == 1  # for its supervisor to restart
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        server.stop(signal.SIGKILL)
+    log = server.log()
+    assert "sent nothing for 2 s, not even its heartbeat" in log
+    assert "The engine died; stopping the server with exit status 1" in log
+
+
+def _health_or_none(url: str) -> httpx.Response | None:
+    """GET /health; None once the server no longer listens."""
+    try:
+        return httpx.get(f"{url}/health", timeout=5)
+    except httpx.ConnectError:
+        return None
+
+
+def test_a_step_far_longer_than_the_heartbeat_timeout_is_not_hung(demo_model_dir, tmp_path) -> None:
+    args = ["--model", str(demo_model_dir), "--num-kv-blocks", "64"]
+    args += ["--engine-heartbeat-timeout", "1"]
+    server = start_server(args, tmp_path, env=slow_step_env(tmp_path, 4.0))
+    url = server.base_url
+    try:
+        with httpx.Client(timeout=120) as http:
+            started = time.monotonic()
+            body = {"prompt": "x", "max_tokens": 2, "ignore_eos": True}
+            resp = http.post(f"{url}/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["usage"]["completion_tokens"] == 2
+            assert time.monotonic() - started >= 8.0  # two steps of 4 s each
+            assert http.get(f"{url}/health").status_code == 200
+        assert server.stop() == 0
+    finally:
+        server.stop(signal.SIGKILL)
+    assert "heartbeat" not in server.log()

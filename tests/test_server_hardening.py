@@ -2,7 +2,8 @@
 input is a 4xx with the OpenAI error body, and the server serves normally afterwards.
 
 One server runs with tight caps, an API key and /metrics behind it; a second one trusts
-request chat templates. The engine-fault cases (SIGSTOP, SIGKILL) are in
+request chat templates. Section 5: bodies nested too deep (issue 27, item 1: a deep schema
+once broke the pipe to the engine process). The engine-fault cases (SIGSTOP, SIGKILL) are in
 tests/test_server_engine_faults.py.
 """
 
@@ -314,3 +315,56 @@ def test_the_openai_sdk_still_works_against_the_hardened_server(server) -> None:
             },
         )
     assert refused.value.body["param"] == "response_format"
+
+
+# -------------------------------------------------------------------- 5. nesting (issue 27.1)
+def _objects(depth: int) -> str:
+    """An object schema `depth` properties deep, as text (json.dumps would recurse)."""
+    level = '{"type":"object","required":["a"],"properties":{"a":'
+    return level * depth + '{"type":"string"}' + "}}" * depth
+
+
+def _arrays(depth: int) -> str:
+    return '{"type":"array","items":' * depth + '{"type":"integer"}' + "}" * depth
+
+
+_MSGS = json.dumps(HI)
+_OUTPUT = '{"prompt":"Output:","max_tokens":8,'
+# The field that carries the schema: (path, the body around the schema S)
+NESTED = {
+    "structured_outputs": (CMPL, _OUTPUT + '"structured_outputs":{"json":S}}'),
+    "guided_json": (CMPL, _OUTPUT + '"guided_json":S}'),
+    "response_format": (
+        CHAT,
+        f'{{"messages":{_MSGS},"max_tokens":8,"response_format":'
+        '{"type":"json_schema","json_schema":{"name":"x","schema":S}}}',
+    ),
+    "tools": (
+        CHAT,
+        f'{{"messages":{_MSGS},"max_tokens":8,"tool_choice":"required","tools":'
+        '[{"type":"function","function":{"name":"f","parameters":S}}]}',
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", ["objects 1000", "arrays 1000", "objects 250"])
+@pytest.mark.parametrize("field", list(NESTED))
+def test_a_schema_nested_deep_is_a_400_naming_the_field_and_the_server_serves_on(
+    http, field, shape
+) -> None:
+    """Before: pickling a 250-deep schema for the engine process killed the pipe's writer
+    thread; every later request hung or was a 503 while /health said 200."""
+    kind, depth = shape.split()
+    schema = _objects(int(depth)) if kind == "objects" else _arrays(int(depth))
+    path, body = NESTED[field]
+    message = _error(_post_raw(http, path, body.replace("S", schema)), 400, field)
+    assert "must nest at most 64 objects and arrays deep" in message
+    _still_serves(http)
+
+
+def test_a_schema_just_within_the_limit_runs(http) -> None:
+    # 3 levels of body around the schema, 2 per property and the leaf: 64 in all.
+    body = NESTED["structured_outputs"][1].replace("S", _objects(30))
+    resp = _post_raw(http, CMPL, body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"].startswith('{"a":')

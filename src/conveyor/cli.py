@@ -135,6 +135,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--request-timeout", type=float, metavar="S", help="abort requests after S s (no limit)")
     add("--engine-stall-timeout", type=float, metavar="S", help="an engine with work but no "
         "step for S s is hung: /health 503, its requests fail (120; 0: off)")  # fmt: skip
+    add("--engine-heartbeat-timeout", type=float, metavar="S", help="an engine process that "
+        "sends nothing, not even its 1 s beat, for S s is stopped or dead-locked: killed, "
+        "the server exits 1 (a replica restarts) (10; 0: off)")  # fmt: skip
     add("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=None,
         help="let requests bring their own chat template (off: such requests get 400)")  # fmt: skip
     add("--tool-call-parser", metavar="NAME", help="how tool_choice auto reads tool calls "

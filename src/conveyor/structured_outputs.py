@@ -4,6 +4,10 @@ strings, or an EBNF grammar (vLLM's StructuredOutputsParams).
 Plain data, no xgrammar: it travels inside SamplingParams to the engine process (pickled on
 the command pipe) and is compiled there (conveyor.engine.grammar). `key` is what the engine's
 grammar cache is keyed by, so equal constraints compile once.
+
+It pickles as its canonical text, not as the nested dicts of a schema: pickle recurses once per
+level, and a schema deep enough failed the pipe's writer thread for every later request. A
+schema nesting deeper than MAX_SCHEMA_DEPTH is refused when the params are made.
 """
 
 from __future__ import annotations
@@ -12,10 +16,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.json_depth import MAX_JSON_DEPTH, deep_path, deep_text_path, format_path
+
 # The kinds of constraint, exactly one of which a StructuredOutputsParams sets.
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # A schema or grammar larger than this is refused before anything compiles it.
 MAX_SPEC_CHARS = 256 * 1024
+# The deepest schema, in objects and arrays: a request body's limit plus the levels the server
+# wraps around a tool's parameters (server/tools.py).
+MAX_SCHEMA_DEPTH = MAX_JSON_DEPTH + 8
 
 
 @dataclass(slots=True)
@@ -70,6 +79,11 @@ class StructuredOutputsParams:
         compact = self.disable_any_whitespace if kind in ("json", "json_object") else True
         return (kind, self.spec, compact)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # As text (see the module's docstring): unpickling parses it back without recursing
+        # deeper than MAX_SCHEMA_DEPTH, the limit it was checked against when it was made.
+        return (_from_spec, (self.kind, self.spec, self.disable_any_whitespace))
+
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> StructuredOutputsParams:
         """From the request body's `structured_outputs` object (unknown keys are a ValueError,
@@ -83,8 +97,37 @@ class StructuredOutputsParams:
         return cls(**{k: v for k, v in value.items() if v is not None})
 
 
+def _from_spec(kind: str, spec: str, disable_any_whitespace: bool) -> StructuredOutputsParams:
+    """The params `__reduce__` sent, without checking them again."""
+    so = object.__new__(StructuredOutputsParams)
+    for name in KINDS:
+        setattr(so, name, None)
+    value: Any = spec
+    if kind in ("json", "choice"):
+        value = json.loads(spec)
+    elif kind == "json_object":
+        value = True
+    setattr(so, kind, value)
+    so.disable_any_whitespace, so.spec = disable_any_whitespace, spec
+    return so
+
+
+def _check_depth(value: Any) -> None:
+    if isinstance(value, str):  # before json.loads, which recurses
+        path = deep_text_path(value, MAX_SCHEMA_DEPTH)
+    else:
+        path = deep_path(value, MAX_SCHEMA_DEPTH)
+    if path is not None:
+        where = f" (at {format_path(path)})" if path else ""
+        raise ValueError(
+            f"structured_outputs.json must nest at most {MAX_SCHEMA_DEPTH} objects and arrays "
+            f"deep, got a deeper schema{where}."
+        )
+
+
 def _canonical(kind: str, value: Any) -> str:
     if kind == "json":
+        _check_depth(value)
         if isinstance(value, str):
             try:
                 value = json.loads(value)

@@ -80,7 +80,11 @@ class AsyncLLM:
             thread of this one, so that streaming work here never holds up a step through
             the GIL (`conveyor serve` does). `engine` is then None.
         engine_stall_timeout_s: seconds the engine may make no step while requests are in
-            flight before it counts as hung (None: never).
+            flight before it counts as hung (None: never). Progress, not liveness:
+        engine_heartbeat_timeout_s: with engine_process, seconds an engine process may send
+            nothing, not even the beat it sends every second whatever its step does, before
+            it counts as stopped or dead-locked: it is killed and the engine is dead (a
+            data-parallel replica is restarted). None: never.
         max_replica_restarts: with data_parallel_size > 1, how many times each replica whose
             engine died is restarted before the whole engine counts as dead.
         **kwargs: any EngineConfig field, as for `LLM`.
@@ -96,6 +100,7 @@ class AsyncLLM:
         max_waiting_requests: int | None = None,
         engine_process: bool = False,
         engine_stall_timeout_s: float | None = None,
+        engine_heartbeat_timeout_s: float | None = 10.0,
         max_replica_restarts: int = 3,
         **kwargs: Any,
     ) -> None:
@@ -116,7 +121,10 @@ class AsyncLLM:
             "on_replica_restarted": lambda replica: self._post(self._wake, replica),
             "max_replica_restarts": max_replica_restarts,
         }
-        started = start_engine(config, engine_process, callbacks, self._wake, replica_options)
+        started = start_engine(
+            config, engine_process, callbacks, self._wake, replica_options,
+            heartbeat_timeout_s=engine_heartbeat_timeout_s,
+        )  # fmt: skip
         self._core: EngineClient = started.core
         self.engine: LLMEngine | None = started.engine
         self.model_path, self.limits = started.model_path, started.limits
@@ -348,6 +356,8 @@ class AsyncLLM:
             self._loop.call_soon_threadsafe(callback, *args)  # type: ignore[union-attr]
 
     def _on_dead(self, exc: BaseException) -> None:
+        if self._dead is None and not self._shut_down:
+            logger.error("The engine is dead: %s", exc)
         self._dead = exc
         self._post(self._fail_all, EngineNotRunningError(f"The engine failed and stopped: {exc!r}"))
 

@@ -59,6 +59,8 @@ class DataParallelClient:
             and is being restarted: those requests (routed to it) will never finish.
         on_replica_restarted: `on_replica_restarted(replica)` once its replacement serves.
         max_replica_restarts: how many times each replica may be restarted.
+        heartbeat_timeout_s: each replica's (and each replacement's) EngineProcess
+            heartbeat_timeout_s: a replica silent that long is killed, then restarted.
     Raises:
         ValueError: a bad placement, or the engine rejected the config (a replica's error).
         EngineProcessError: a replica died or timed out while starting.
@@ -75,6 +77,7 @@ class DataParallelClient:
         on_replica_dead: Callable[[int, list[str], BaseException], None] | None = None,
         on_replica_restarted: Callable[[int], None] | None = None,
         max_replica_restarts: int = 0,
+        heartbeat_timeout_s: float | None = None,
     ) -> None:
         num = config.data_parallel_size
         self._placements = replica_placements(num, config.device)
@@ -82,6 +85,7 @@ class DataParallelClient:
         self._on_replica_dead = on_replica_dead or (lambda *_: None)
         self._on_replica_restarted = on_replica_restarted or (lambda _: None)
         self._startup_timeout_s = startup_timeout_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
         self.max_replica_restarts = max_replica_restarts
         self.restarts = [0] * num  # restarts begun, per replica
         # Guards the slots, generations and flags below: deaths arrive from reader threads.
@@ -126,6 +130,7 @@ class DataParallelClient:
             startup_timeout_s=self._startup_timeout_s,
             env=placement.env,
             cpu_cores=placement.cpu_cores,
+            heartbeat_timeout_s=self._heartbeat_timeout_s,
         )
         where = placement.env or f"CPU cores {list(placement.cpu_cores or ())}"
         again = f" (restart {self.restarts[index]})" if self.restarts[index] else ""

@@ -2,11 +2,24 @@
 
     server process                                   engine process (python -c ...)
     AsyncLLM ──add / abort / abort_all_at / stop──►  command pipe ──► main thread: hands each
-        ▲                                                              command to EngineThread
-        │ emit / reject / on_dead                     EngineThread: step, step, ... ──┐
+        │      writer thread: pickles, sends               command to EngineThread
+        ▲                                             EngineThread: step, step, ... ──┐
+        │ emit / reject / on_dead                     EngineBeat: ("beat",) each 1 s ─┤
     reader thread ◄──────────────── outbox pipe ◄── ("step", outputs, stats, applied) ┘
 
-The messages on both pipes, and how outputs are packed for them, are in entrypoints/wire.py.
+The messages on both pipes, and how outputs are packed for them, are in entrypoints/wire.py;
+the child's side is engine_child.py.
+
+Nothing a request carries can break the transport: each command is pickled on its own, and
+one that does not pickle fails its request only (`reject`; a constraint crosses as its JSON
+text, so a deep schema does not even recurse). Any other failure of the writer or the reader
+thread ends the engine loudly: it is logged, the child is killed, and `on_dead` reports it,
+so the supervisor rules apply (a single engine's server exits 1, a replica is restarted).
+
+Liveness: the child beats every second, whatever its step does. With `heartbeat_timeout_s`
+set, a child that sends nothing for that long (stopped, dead-locked) is killed and reported
+dead like one that died. This is not the progress watchdog (heartbeat.py): a long step still
+beats, and a live engine that makes no step with work in flight is hung, not killed.
 
 Why a process: the HTTP side (parsing, SSE encoding, socket writes) and the engine's Python
 between torch ops share one GIL in one process. Every burst of streaming work after a step then
@@ -23,11 +36,10 @@ closes because the server process is gone.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
+import pickle
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -38,11 +50,9 @@ from typing import Any
 
 from conveyor.core.limits import PromptLimits
 from conveyor.engine.config import EngineConfig
-from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.entrypoints.engine_client import StepStats
-from conveyor.entrypoints.engine_thread import EngineThread
-from conveyor.entrypoints.wire import EngineProcessError, pack_output, picklable, unpack_output
+from conveyor.entrypoints.wire import EngineProcessError, unpack_output
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,6 +79,8 @@ class EngineProcess:
             CUDA_VISIBLE_DEVICES).
         cpu_cores: pin the child to these CPU cores, with as many torch threads (None: not
             pinned, torch's default threads).
+        heartbeat_timeout_s: once started, a child that sends nothing (not even its beat)
+            for this long is killed and reported to `on_dead` (None: never).
     Raises:
         ValueError: the engine rejected the config or the checkpoint (the child's error).
         EngineProcessError: the child died or timed out while starting.
@@ -83,8 +95,13 @@ class EngineProcess:
         startup_timeout_s: float = 900.0,
         env: dict[str, str] | None = None,
         cpu_cores: tuple[int, ...] | None = None,
+        heartbeat_timeout_s: float | None = None,
     ) -> None:
         self._emit, self._reject, self._on_dead = emit, reject, on_dead
+        self.heartbeat_timeout_s = heartbeat_timeout_s or None
+        self._dead_lock = threading.Lock()
+        self._reported_dead = False
+        self._stopping = False
         # A fresh interpreter, not multiprocessing's spawn: that re-imports the caller's
         # __main__, which breaks scripts without an `if __name__ == "__main__"` guard.
         command_fd, self_commands_fd = os.pipe()
@@ -107,6 +124,7 @@ class EngineProcess:
         self._outgoing: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._queued_seqs = 0
         self._applied_seqs = 0
+        self._unsent_seqs = 0  # added, but their add failed to pickle (the writer's count)
         self.last_stats: StepStats | None = None  # the engine's latest report
         try:
             self.info = self._wait_until_ready(startup_timeout_s)
@@ -152,7 +170,7 @@ class EngineProcess:
     @property
     def num_queued_seqs(self) -> int:
         """Sequences added but not yet handed to the engine (as of its latest report)."""
-        return self._queued_seqs - self._applied_seqs
+        return self._queued_seqs - self._applied_seqs - self._unsent_seqs
 
     @property
     def num_waiting_seqs(self) -> int:
@@ -188,6 +206,7 @@ class EngineProcess:
         process exits; it is killed if it has not after `timeout_s` (None: 60 s) plus up to
         30 s more."""
         timeout_s = 60.0 if timeout_s is None else timeout_s
+        self._stopping = True
         self._send(("stop", final_reason))
         if self.started:
             self._reader.join(timeout_s)
@@ -201,21 +220,51 @@ class EngineProcess:
 
     def _write(self) -> None:
         """Send queued commands in order until stop() ends the queue or the child is gone."""
-        while (command := self._outgoing.get()) is not None:
-            try:
-                self._commands.send(command)
-            except OSError:  # a dead child: the reader tells
-                return
+        try:
+            while (command := self._outgoing.get()) is not None:
+                try:
+                    data = pickle.dumps(command, pickle.HIGHEST_PROTOCOL)
+                except Exception as exc:  # whatever the request carries
+                    if command[0] != "add":
+                        raise
+                    self._unsent_seqs += command[4].n
+                    self._reject(command[1], _unsendable(exc))
+                    continue
+                try:
+                    self._commands.send_bytes(data)
+                except OSError:  # a dead child: the reader tells
+                    return
+        except BaseException as exc:
+            self._fail("writer", exc)
 
     def _read(self) -> None:
         """Hand the engine's reports to the callbacks until it stops or dies."""
-        outbox = self._outbox
+        try:
+            self._read_reports()
+        except BaseException as exc:
+            self._fail("reader", exc)
+
+    def _read_reports(self) -> None:
+        outbox, timeout_s = self._outbox, self.heartbeat_timeout_s
         while True:
+            if timeout_s is not None and not outbox.poll(timeout_s):
+                self._kill()
+                if not self._stopping:
+                    self._report_dead(
+                        EngineProcessError(
+                            f"The engine process (pid {self.pid}) sent nothing for "
+                            f"{timeout_s:g} s, not even its heartbeat "
+                            "(engine_heartbeat_timeout): it was stopped or dead-locked, and "
+                            "has been killed."
+                        )
+                    )
+                return
             try:
                 message = outbox.recv()
             except (EOFError, OSError):
                 code = self._exit_code(5)
-                self._on_dead(EngineProcessError(f"The engine process died (exit code {code})."))
+                died = EngineProcessError(f"The engine process died (exit code {code}).")
+                self._report_dead(died)
                 return
             kind = message[0]
             if kind == "step":
@@ -226,9 +275,28 @@ class EngineProcess:
             elif kind == "reject":
                 self._reject(message[1], message[2])
             elif kind == "dead":
-                self._on_dead(EngineProcessError(message[1]))
+                self._report_dead(EngineProcessError(message[1]))
             elif kind == "stopped":
                 return
+
+    def _report_dead(self, exc: BaseException) -> None:
+        """`on_dead(exc)`, once: the writer and the reader may both see the end."""
+        with self._dead_lock:
+            first, self._reported_dead = not self._reported_dead, True
+        if first:
+            self._on_dead(exc)
+
+    def _fail(self, thread: str, exc: BaseException) -> None:
+        """The writer or reader thread failed: the transport is gone, so is the engine."""
+        logger.error(
+            "The engine process's %s thread failed; killing the engine process (pid %d)",
+            thread, self.pid, exc_info=exc,
+        )  # fmt: skip
+        # Reported before the kill, so that the reader's "it died" does not hide the cause.
+        self._report_dead(
+            EngineProcessError(f"The engine transport's {thread} thread failed: {exc!r}")
+        )
+        self._kill()
 
     def _exit_code(self, timeout_s: float) -> int | None:
         """Wait up to `timeout_s` for the process to end; its exit code, None if it runs."""
@@ -242,73 +310,11 @@ class EngineProcess:
             self._process.wait()
 
 
-# -------------------------------------------------------------------- the child
-_CHILD_MAIN = "import sys; from conveyor.entrypoints.engine_process import main; main(sys.argv[1:])"
+# The child's code is in engine_child.py.
+_CHILD_MAIN = "import sys; from conveyor.entrypoints.engine_child import main; main(sys.argv[1:])"
 
 
-def main(argv: list[str]) -> None:
-    """The engine process's entry: argv holds the command and outbox pipe descriptors."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    commands = Connection(int(argv[0]), writable=False)
-    outbox = Connection(int(argv[1]), readable=False)
-    try:
-        config, log_level, cpu_cores = commands.recv()
-    except EOFError:
-        return
-    if cpu_cores:  # before the first torch op starts its thread pool
-        import torch
-
-        os.sched_setaffinity(0, cpu_cores)
-        torch.set_num_threads(len(cpu_cores))
-    logging.basicConfig(
-        level=log_level,
-        format="%(levelname)s %(asctime)s %(name)s [engine]: %(message)s",
-        datefmt="%m-%d %H:%M:%S",
+def _unsendable(exc: Exception) -> ValueError:
+    return ValueError(
+        f"The request cannot be sent to the engine process ({type(exc).__name__}: {exc})."
     )
-    run_engine_process(config, commands, outbox)
-
-
-def run_engine_process(config: EngineConfig, commands: Connection, outbox: Connection) -> None:
-    """Build the engine, report it ready, serve commands until "stop" or the pipe closes."""
-    send_lock = threading.Lock()
-
-    def send(message: tuple[Any, ...]) -> None:
-        with send_lock, contextlib.suppress(OSError):  # the server is gone: nobody listens
-            outbox.send(message)
-
-    try:
-        engine = LLMEngine(config)
-    except Exception as exc:
-        send(("failed", picklable(exc)))
-        return
-    info = EngineInfo(engine.model_path, engine.limits, engine.config.num_kv_blocks)
-    send(("ready", info))
-
-    def emit(outputs: list[RequestOutput], stats: StepStats) -> None:
-        packed_stats = dataclasses.astuple(stats)
-        send(("step", [pack_output(out) for out in outputs], packed_stats, thread.applied_seqs))
-
-    thread = EngineThread(
-        engine,
-        emit=emit,
-        reject=lambda request_id, exc: send(("reject", request_id, exc)),
-        on_dead=lambda exc: send(("dead", f"The engine failed and stopped: {exc!r}")),
-    )
-    thread.start()
-    while True:
-        try:
-            command = commands.recv()
-        except (EOFError, OSError):  # the server process is gone
-            command = ("stop", "the server process exited")
-        kind = command[0]
-        if kind == "add":
-            thread.add(*command[1:])
-        elif kind == "abort":
-            thread.abort(command[1])
-        elif kind == "abort_all_at":
-            thread.abort_all_at(command[1], command[2])
-        elif kind == "stop":
-            thread.stop(command[1])
-            break
-    send(("stopped",))

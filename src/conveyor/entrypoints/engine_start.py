@@ -41,6 +41,7 @@ def start_engine(
     callbacks: dict[str, Callable[..., Any]],
     wake: Callable[[int], None],
     replica_options: dict[str, Any] | None = None,
+    heartbeat_timeout_s: float | None = None,
 ) -> StartedEngine:
     """Build the engine client for `config` (its thread or processes start later, with
     `core.start()`).
@@ -50,6 +51,8 @@ def start_engine(
         wake: called with a replica's index when a request reaches an idle replica.
         replica_options: DataParallelClient's degraded-mode arguments (on_replica_dead,
             on_replica_restarted, max_replica_restarts); used with data_parallel_size > 1.
+        heartbeat_timeout_s: an engine process silent that long (not even its beat) is
+            killed and dead (None: never); not used with an engine thread.
     """
     if not engine_process:
         engine = LLMEngine(config)
@@ -61,9 +64,12 @@ def start_engine(
         pending = pool.submit(Tokenizer.from_pretrained, folder) if folder else None
         process: EngineClient
         if config.data_parallel_size > 1:
-            process = DataParallelClient(config, wake=wake, **callbacks, **(replica_options or {}))
+            process = DataParallelClient(
+                config, wake=wake, heartbeat_timeout_s=heartbeat_timeout_s, **callbacks,
+                **(replica_options or {}),
+            )  # fmt: skip
         else:
-            process = EngineProcess(config, **callbacks)
+            process = EngineProcess(config, heartbeat_timeout_s=heartbeat_timeout_s, **callbacks)
         info = process.info  # type: ignore[attr-defined]
         tokenizer = pending.result() if pending else Tokenizer.from_pretrained(info.model_path)
         return StartedEngine(process, None, info.model_path, info.limits, tokenizer)

@@ -1,4 +1,9 @@
-"""Heartbeat: is the engine still stepping while it has work?
+"""Heartbeat: is the engine still stepping while it has work? (Progress, not liveness.)
+
+Liveness is the engine process's own beat (engine_child.py's EngineBeat, checked by
+EngineProcess against engine_heartbeat_timeout): a process that sends nothing is stopped or
+dead-locked, and is killed. This module asks the other question: a live engine may still make
+no progress.
 
 The engine reports after every step it makes (and after every applied batch of aborts); an
 idle engine reports nothing, and that is fine. So the engine counts as hung only when requests

@@ -1,12 +1,14 @@
 """What crosses the pipes between the server process and the engine process.
 
-Every message is a tuple whose first item names it (the first command excepted).
+Every message is a tuple whose first item names it (the first command excepted). Commands
+are pickled one by one in the writer thread, so one that does not pickle fails alone.
 
 Commands, server to engine (the command pipe):
     (config, log_level, cpu_cores)      the first: the EngineConfig, the logging level and
                                         the cores to pin the engine to (None: not pinned)
     ("add", request_id, prompt, prompt_ids, params, arrival_time)
-                                        prompt is the ids too: the text stays in the server
+                                        prompt is the ids too: the text stays in the server;
+                                        a constraint in params pickles as its JSON text
     ("abort", request_id)
     ("abort_all_at", when, reason)
     ("stop", final_reason)              abort what is left with final_reason, then exit
@@ -20,6 +22,7 @@ Reports, engine to server (the outbox pipe):
                                         engine has taken from its queue so far
     ("reject", request_id, exc)         the engine refused a request (a ValueError)
     ("dead", message)                   the engine failed and stopped
+    ("beat",)                           every second from its own thread: the process lives
     ("stopped",)                        the last report, after "stop"
 
 Outputs cross as plain tuples: pickling the slotted dataclasses costs ~0.55 ms per step of

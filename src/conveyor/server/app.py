@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from conveyor import __version__
 from conveyor.entrypoints.async_llm import AsyncLLM, EngineNotRunningError
 from conveyor.server.admission import BodySizeLimit
+from conveyor.server.body_depth import DepthCheckedRoute
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.config import ServerConfig
@@ -92,6 +93,7 @@ def build_app(
             await engine.shutdown()
 
     app = FastAPI(title="conveyor", version=__version__, lifespan=lifespan)
+    app.router.route_class = DepthCheckedRoute  # every route below: bodies nest 64 deep at most
     install_error_handlers(app)
     config = config or ServerConfig()
     api_key = api_key or config.api_key

@@ -45,6 +45,10 @@ class ServerConfig:
     # Seconds the engine may go without a step while requests are in flight before it counts
     # as hung (/health 503, those requests end with an error); 0 turns the check off.
     engine_stall_timeout: float = 120.0
+    # Liveness, not progress: seconds the engine process may send nothing, not even the beat
+    # it sends every second whatever its step does, before it counts as stopped or dead-locked
+    # (killed: the server exits 1, a data-parallel replica is restarted); 0 turns it off.
+    engine_heartbeat_timeout: float = 10.0
     # Requests may bring their own chat template (code that runs on the server): off.
     trust_request_chat_template: bool = False
     metrics_require_api_key: bool = False  # with api_key, /metrics needs it too
@@ -72,12 +76,13 @@ class ServerConfig:
         check_positive_int("max_request_body_bytes", self.max_request_body_bytes)
         check_int("max_header_bytes", self.max_header_bytes, lo=1024)
         check_int("max_replica_restarts", self.max_replica_restarts, lo=0)
-        check_number(
-            "engine_stall_timeout",
-            self.engine_stall_timeout,
-            "a finite number of seconds >= 0 (0: off)",
-            lambda v: 0 <= v < math.inf,
-        )
+        for name in ("engine_stall_timeout", "engine_heartbeat_timeout"):
+            check_number(
+                name,
+                getattr(self, name),
+                "a finite number of seconds >= 0 (0: off)",
+                lambda v: 0 <= v < math.inf,
+            )
         if self.request_timeout is not None:
             check_number(
                 "request_timeout",

@@ -1,6 +1,7 @@
 """Every error the server sends, in one place: `{"error": {"message", "type", "param", "code"}}`.
 
     pydantic RequestValidationError (422), malformed JSON  -> 400 BadRequestError, param = field
+    a body nested too deep (server/body_depth.py)           -> 400, param = field
     APIError / ValueError (SamplingParams, engine checks)  -> 400 (or the APIError's status)
     unknown route / method                                  -> 404 / 405
     body over max_request_body_bytes (server/admission.py)  -> 413
@@ -119,7 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), exc.status_code)
+        return error_response(str(exc.detail), exc.status_code, getattr(exc, "param", None))
 
     async def _known(_: Request, exc: Exception) -> JSONResponse:
         status, message, param = classify(exc)

@@ -74,6 +74,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             max_waiting_requests=server_config.max_waiting_requests,
             engine_process=server_config.engine_process,
             engine_stall_timeout_s=server_config.engine_stall_timeout or None,
+            engine_heartbeat_timeout_s=server_config.engine_heartbeat_timeout or None,
             max_replica_restarts=server_config.max_replica_restarts,
         )
         app = build_app(engine, config=server_config)
