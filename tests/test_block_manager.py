@@ -339,3 +339,71 @@ def test_random_prefix_cached_workloads_keep_the_pool_consistent(num_blocks, blo
         bm.free(req)
     check_cache(bm)
     assert bm.num_free_blocks == num_blocks
+
+
+# ---------------------------------------------------------------- cache salts (issue 27 item 4)
+
+
+def salted(request_id: str, tokens: list[int], salt: str | None) -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(cache_salt=salt), max_tokens=16)
+
+
+def test_different_salts_share_no_block_and_equal_salts_share_as_before():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(13))  # three full blocks
+    run(bm, salted("a", prompt, "tenant-a"))
+    # Another salt, or none, finds nothing: not even the first block.
+    assert bm.get_computed_blocks(salted("b", prompt, "tenant-b")) == []
+    assert bm.get_computed_blocks(salted("c", prompt, None)) == []
+    # The same salt hits every full block, as an unsalted prompt does without salts.
+    assert len(bm.get_computed_blocks(salted("d", prompt, "tenant-a"))) == 3
+    run(bm, salted("e", prompt, None))
+    assert len(bm.get_computed_blocks(salted("f", prompt, None))) == 3
+    check_cache(bm)
+
+
+_salted_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "grow", "free"]),
+        st.integers(0, 5),
+        st.integers(0, 12),
+        st.sampled_from([None, "a", "b", "ab"]),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4]), ops=_salted_ops)
+def test_a_block_is_only_ever_a_hit_for_the_salt_that_computed_it(num_blocks, block_size, ops):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    reqs: dict[int, Sequence] = {}
+    computed_by: dict[int, str | None] = {}  # block id -> salt of the request that filled it
+
+    def record(req: Sequence, first: int) -> None:
+        table = bm.get_block_table(req.request_id)
+        for i in range(first, req.num_computed_tokens // block_size):
+            computed_by[table[i]] = req.sampling_params.cache_salt
+
+    for op, idx, n, salt in ops:
+        req = reqs.get(idx)
+        if op == "admit" and req is None:
+            # Every prompt starts alike, so without salts they would all share blocks.
+            req = salted(f"r{idx}-{len(ops)}", [i % 3 for i in range(n + 1)], salt)
+            hits = bm.get_computed_blocks(req)
+            assert all(computed_by[b] == salt for b in hits), "a hit across salts"
+            if bm.allocate_slots(req, req.num_tokens - len(hits) * block_size, hits):
+                reqs[idx] = req
+                req.num_computed_tokens = req.num_tokens
+                record(req, len(hits))
+        elif op == "grow" and req is not None:
+            req.append_output_token(n % 3)
+            if bm.allocate_slots(req, 1):
+                req.num_computed_tokens += 1
+                record(req, (req.num_computed_tokens - 1) // block_size)
+            else:
+                req.output_token_ids.pop()
+        elif op == "free" and req is not None:
+            bm.free(req)
+            del reqs[idx]
+        check_cache(bm)

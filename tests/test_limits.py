@@ -10,7 +10,7 @@ from conveyor.core.limits import PromptError, PromptLimits, check_kv_fits
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import Sequence
 from conveyor.engine.config import EngineConfig
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 LIMITS = PromptLimits(max_model_len=64, vocab_size=100, kv_capacity=128)
 
@@ -81,3 +81,15 @@ def test_prompt_error_survives_pickling() -> None:
     error = pickle.loads(pickle.dumps(PromptError("too long", param="max_tokens")))
     assert isinstance(error, ValueError) and error.param == "max_tokens"
     assert str(error) == "too long"
+
+
+def test_stop_token_ids_are_bounded_and_inside_the_vocabulary() -> None:
+    # A million out-of-vocabulary ids with n=16 took 30 s and slowed every other stream
+    # (issue 27 item 5): at most MAX_STOP_TOKEN_IDS, counted before anything is copied.
+    with pytest.raises(ValueError, match=f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS}"):
+        SamplingParams(stop_token_ids=range(10**6))
+    SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    error = _error(LIMITS.check, [1, 2], SamplingParams(stop_token_ids=[5, 100]))
+    assert error.param == "stop_token_ids"
+    assert str(error) == "stop_token_ids must be token ids in [0, 100); got 100."
+    assert LIMITS.check([1, 2], SamplingParams(stop_token_ids=[0, 99], max_tokens=3)) == 3

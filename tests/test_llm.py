@@ -259,3 +259,30 @@ def test_cli_generate_chat_prints_the_llm_chat_replies(llm, demo_model_dir, caps
         c = out.outputs[0]
         expected += f"--- {prompt!r} ({c.finish_reason}, {len(c.token_ids)} tokens)\n{c.text}\n"
     assert capsys.readouterr().out == expected
+
+
+def test_the_largest_seed_with_n_samples_gives_distinct_reproducible_samples(llm):
+    # Sample i used to draw from seed + i: 2^63 - 1 + 1 left the seed's range (a ValueError).
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=2**63 - 1, ignore_eos=True)
+    first = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    again = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) == 4
+    smallest = SamplingParams(n=4, temperature=1.0, max_tokens=4, seed=-(2**63), ignore_eos=True)
+    assert len(llm.generate("Once upon a time", smallest, use_tqdm=False)[0].outputs) == 4
+
+
+def test_seeds_that_agree_in_their_low_32_bits_give_different_samples(llm):
+    # torch's CPU generator keeps only a seed's low 32 bits: -1 and 2^63 - 1 (and s, s + 2^32)
+    # drew the same stream. Per-sample seeds are hashed from the whole 64-bit seed.
+    def sample(seed: int, n: int = 1) -> list[tuple[int, ...]]:
+        params = SamplingParams(n=n, temperature=1.0, max_tokens=16, seed=seed, ignore_eos=True)
+        out = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+        return [tuple(c.token_ids) for c in out.outputs]
+
+    assert sample(-1) != sample(2**63 - 1)
+    assert sample(5) != sample(5 + 2**32)
+    # Sample 1 of seed s is no longer sample 0 of seed s + 1.
+    assert sample(7, n=2)[1] != sample(8)[0]
+    with pytest.raises(ValueError, match=r"seed must be in \[-9223372036854775808, 9223"):
+        SamplingParams(seed=2**63)

@@ -191,3 +191,24 @@ def test_the_cuda_profile_runs_one_forward_and_sizes_from_what_is_left(monkeypat
     assert forwards == [torch.Size([48])]  # one forward of the whole token budget
     assert got == kv_sizing.kv_bytes_from_profile(1000, 400, 700 - 500, 0.9) == 100
     assert calls[:2] == ["sync", "reset"] and "empty" in calls
+
+
+def test_requests_with_different_cache_salts_share_no_cached_prefix(demo_model_dir) -> None:
+    llm = LLM(str(demo_model_dir))
+    prompt = SYSTEM + "What is rain?"
+
+    def cached(salt: str | None, how: str = "params") -> int:
+        if how == "params":
+            params = SamplingParams(max_tokens=2, temperature=0.0, cache_salt=salt)
+            return llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens
+        given = {"prompt": prompt, "cache_salt": salt}  # vLLM's form: the salt on the prompt
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        return llm.generate(given, params, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached("alice") == 0
+    assert cached("bob") == 0 and cached(None) == 0  # another salt, or none: a cold start
+    assert cached("alice") > 0 and cached("bob") > 0 and cached(None) > 0
+    assert cached("carol", "prompt") == 0 and cached("carol", "prompt") > 0
+    assert cached("carol") > 0  # the prompt's salt is the params' salt
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        SamplingParams(cache_salt="")

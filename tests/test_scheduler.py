@@ -16,6 +16,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from conveyor.core.chunking import PROMPT_LOGPROBS_CHUNK
 from conveyor.core.policies import (
     FifoPolicy,
     SchedulingPolicy,
@@ -115,6 +116,29 @@ def test_long_prompt_is_chunked_across_steps():
     assert schedule == [(16, 2), (16, 4), (8, 5), (1, 6)]
     assert req.output_token_ids == [TOKEN, TOKEN]
     assert req.num_computed_tokens == 41
+
+
+def test_a_prompt_with_prompt_logprobs_is_chunked_so_it_never_stalls_the_others():
+    # Each prompt row of such a request is a vocabulary-wide logits row: one step of 1,900
+    # of them stalled every other stream for seconds (issue 27 item 11).
+    sched = make_scheduler(max_num_batched_tokens=2048, num_kv_blocks=512, max_model_len=4096)
+    decoding = make_request("d", 4, max_tokens=64)
+    sched.add_request(decoding)
+    step(sched)
+    prompt = [100 + i % 50 for i in range(1900)]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=5)
+    req = Sequence("p", prompt, params, max_tokens=2)
+    plain = Sequence("q", prompt, SamplingParams(max_tokens=2), max_tokens=2)
+    sched.add_request(req)
+    sched.add_request(plain)
+    counts = []
+    while req.num_output_tokens == 0:
+        out = step(sched)
+        assert out.num_scheduled_tokens["d"] == 1  # the decoding stream gets every step
+        counts.append(out.num_scheduled_tokens["p"])
+    assert counts == [PROMPT_LOGPROBS_CHUNK] * 7 + [1900 - 7 * PROMPT_LOGPROBS_CHUNK]
+    assert plain.is_finished  # without prompt logprobs: the rest of the budget, as usual
+    assert step(sched).num_scheduled_tokens["p"] == 1  # then it decodes as usual
 
 
 def test_running_decodes_go_first_and_new_prompt_takes_the_rest_of_the_budget():

@@ -183,3 +183,36 @@ def test_engine_process_is_the_default_and_can_be_turned_off() -> None:
     assert build_serve_config(None, {"engine_process": False})[1].engine_process is False
     with pytest.raises(ValueError, match="engine_process must be true or false"):
         build_serve_config(None, {"engine_process": "no"})
+
+
+def test_several_api_keys_and_the_tenant_source_come_from_flags_env_and_yaml(
+    tmp_path, monkeypatch
+) -> None:
+    args = vars(build_parser().parse_args(
+        ["serve", "--api-key", "a", "b", "--api-key", "c", "--cache-salt-from", "api-key"]
+    ))  # fmt: skip
+    overrides = {k: v for k, v in args.items() if k not in ("command", "func", "config")}
+    server = build_serve_config(None, overrides)[1]
+    assert (server.api_keys, server.cache_salt_from) == (["a", "b", "c"], "api-key")
+    monkeypatch.setenv("CONVEYOR_API_KEY", "k1, k2,k1")
+    assert build_serve_config(None, {})[1].api_keys == ["k1", "k2"]
+    config = tmp_path / "c.yaml"
+    config.write_text("api_key: [x, y]\ncache-salt-from: 'header:X-Tenant'\n")
+    assert build_serve_config(config, {})[1].api_keys == ["x", "y"]
+    assert ServerConfig(api_key="one").api_keys == ["one"] and ServerConfig().api_keys == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"cache_salt_from": "api-key"}, "cache_salt_from api-key needs api_key"),
+        ({"cache_salt_from": "header:"}, "cache_salt_from must be api-key or header:NAME"),
+        ({"cache_salt_from": "header:X Tenant"}, "cache_salt_from must be"),
+        ({"cache_salt_from": "tenant"}, "cache_salt_from must be"),
+        ({"api_key": []}, "api_key must be a non-empty string or a list of them"),
+        ({"api_key": ["ok", ""]}, "api_key must be a non-empty string or a list of them"),
+    ],
+)
+def test_bad_tenancy_settings_are_clear_errors(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ServerConfig(**kwargs)

@@ -368,3 +368,92 @@ def test_a_schema_just_within_the_limit_runs(http) -> None:
     resp = _post_raw(http, CMPL, body)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"].startswith('{"a":')
+
+
+# -------------------------------------------------------------------- 11. issue 27 items 5, 11
+VOCAB = 8192  # the demo model's
+
+
+def test_a_million_stop_token_ids_is_a_quick_400_and_another_stream_goes_on(http) -> None:
+    # 1M ids outside the vocabulary with n=16 took 30 s and cut another stream from 184 to
+    # 4.5 tok/s (here n=8: this server lets 8 sequences wait).
+    events: list[str] = []
+
+    def other_stream() -> None:
+        body = {"prompt": "a stream", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        with http.stream("POST", CMPL, json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:])["choices"][0]["finish_reason"] or "")
+
+    thread = threading.Thread(target=other_stream)
+    thread.start()
+    ids = ",".join(str(10**6 + i) for i in range(10**6))  # all outside the vocabulary
+    raw = f'{{"prompt": "x", "n": 8, "max_tokens": 16, "stop_token_ids": [{ids}]}}'
+    assert len(raw) > 7.9 * 10**6
+    start = time.monotonic()
+    message = _error(_post_raw(http, CMPL, raw), 400, "stop_token_ids")
+    elapsed = time.monotonic() - start
+    assert "at most 1024" in message
+    assert elapsed < 15, elapsed  # parsing 8 MB of JSON, nothing queued (generous: loaded CI)
+    thread.join(120)
+    assert not thread.is_alive() and events and events[-1] == "length", events
+    _still_serves(http)
+
+
+def test_stop_token_ids_are_capped_and_must_be_in_the_vocabulary(http) -> None:
+    too_many = {"prompt": "x", "stop_token_ids": list(range(1025))}
+    _error(http.post(CMPL, json=too_many), 400, "stop_token_ids")
+    for path, body in ((CMPL, {"prompt": "x"}), (CHAT, {"messages": HI})):
+        outside = {**body, "stop_token_ids": [3, VOCAB]}
+        assert f"[0, {VOCAB}); got {VOCAB}" in _error(http.post(path, json=outside), 400,
+                                                      "stop_token_ids")  # fmt: skip
+    most = {"prompt": "x", "max_tokens": 2, "stop_token_ids": list(range(VOCAB - 1024, VOCAB))}
+    assert http.post(CMPL, json=most).status_code == 200
+
+
+BAD_KEYS = {"superscript": "²", "5000-digits": "1" * 5000, "negative": "-1", "space": " 1",
+            "float": "1.0", "empty": "", "arabic-digit": "١"}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", list(BAD_KEYS.values()), ids=list(BAD_KEYS))
+def test_a_logit_bias_key_that_is_no_token_id_is_a_400_naming_it(http, key) -> None:
+    # "²".isdigit() holds and int() refused it, as it refuses 5,000 digits: a raw Python
+    # message with param null.
+    body = {"prompt": "x", "max_tokens": 1, "logit_bias": {key: 1}}
+    message = _error(http.post(CMPL, json=body), 400, "logit_bias")
+    assert "token ids" in message and len(message) < 200
+    far = {"prompt": "x", "max_tokens": 1, "logit_bias": {"9999999999": 1}}
+    _error(http.post(CMPL, json=far), 400, "logit_bias")
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object"}, "strict": "yes"}}}, "response_format"),
+        (CMPL, {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object"}, "strict": 1}}}, "response_format"),
+        (CHAT, {"tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object"}, "strict": "yes"}}],
+            "tool_choice": "none"}, "tools"),
+    ],
+)  # fmt: skip
+def test_a_strict_flag_that_is_not_a_boolean_is_a_400(http, path, extra, param) -> None:
+    body = {"prompt": "x"} if path == CMPL else {"messages": HI}
+    assert "must be true or false" in _error(http.post(path, json={**body, **extra}), 400, param)
+    ok = {"name": "x", "schema": {"type": "object"}, "strict": True}
+    good = {**body, "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": ok}}
+    assert http.post(path, json=good).status_code == 200
+
+
+def test_the_seed_range_is_signed_64_bit_and_n_samples_of_its_ends_run(http) -> None:
+    for seed in (2**63 - 1, -(2**63)):
+        body = {"prompt": "x", "n": 4, "seed": seed, "max_tokens": 4, "temperature": 1.0}
+        resp = http.post(CMPL, json=body)
+        assert resp.status_code == 200, resp.text
+        assert len(resp.json()["choices"]) == 4
+    for seed in (2**63, -(2**63) - 1):
+        body = {"prompt": "x", "seed": seed, "max_tokens": 1}
+        assert "signed 64-bit" in _error(http.post(CMPL, json=body), 400, "seed")

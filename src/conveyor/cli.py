@@ -88,7 +88,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--config", metavar="FILE", type=Path, help="YAML settings, e.g. configs/demo.yaml")
     add("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     add("--port", type=int, help="port (default 8000)")
-    add("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${_API_KEY_ENV})")
+    add("--api-key", nargs="+", action="extend", metavar="KEY", help="require 'Authorization: "
+        f"Bearer KEY', one of these keys (or set ${_API_KEY_ENV}, comma-separated)")  # fmt: skip
+    add("--cache-salt-from", metavar="SOURCE", help="isolate tenants in the prefix cache: "
+        "api-key (each key is a tenant) or header:NAME (a tenant header's value)")  # fmt: skip
     add("--served-model-name", metavar="NAME", nargs="+", help="model name(s) clients send; "
         "the first is reported (default: the --model folder's name)")  # fmt: skip
     add("--scheduler", metavar="NAME", help="scheduling policy (default fifo)")

@@ -6,6 +6,8 @@ Every invalid value raises ValueError naming the field and the allowed range, so
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass, field
 
 from conveyor.structured_outputs import StructuredOutputsParams
@@ -20,6 +22,40 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 # logit_bias entries are added to the logits every step: bounded (OpenAI allows 300).
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# stop_token_ids are copied into every sample and matched against every sampled token.
+MAX_STOP_TOKEN_IDS = 1024
+# A cache salt is hashed into the first KV block's hash of every prompt that carries it.
+MAX_CACHE_SALT_CHARS = 1024
+# `seed` is a signed 64-bit integer, as in vLLM (torch.long's range).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample `index` of a request seeded with `seed`.
+
+    A hash (blake2b of both as signed 64-bit integers), not `seed + index`: that overflows
+    the seed's range at 2^63 - 1 and makes sample 1 of seed s sample 0 of seed s + 1.
+    Returns an unsigned 64-bit integer (what torch.Generator.manual_seed takes). torch's CPU
+    generator keeps only its low 32 bits, so two different seeds share a stream with
+    probability 2^-32 (raw seeds alias whenever they agree mod 2^32: -1 and 2^63 - 1).
+    """
+    packed = struct.pack("<qq", seed, index)
+    digest = hashlib.blake2b(packed, digest_size=8, person=b"conveyor-seed").digest()
+    return int.from_bytes(digest, "little")
+
+
+def check_cache_salt(salt: object) -> None:
+    """A cache salt is a non-empty string of at most MAX_CACHE_SALT_CHARS characters.
+
+    Raises:
+        ValueError: anything else (the message starts with `cache_salt`).
+    """
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r:.80}.")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(
+            f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}."
+        )
 
 
 @dataclass(slots=True)
@@ -42,6 +78,11 @@ class SamplingParams:
     forces); logprobs stay those of the raw logits. `prompt_logprobs` (vLLM's): the logprob of
     every prompt token after the first and its top alternatives, from the prompt's own forward
     (such a request skips the prefix cache, whose hits would not be computed).
+
+    `seed` (a signed 64-bit integer) makes the request reproducible; sample i of n draws from
+    its own stream, seeded with `sample_seed(seed, i)`. `cache_salt` (vLLM's): requests with
+    different salts never share prefix-cache blocks (the salt enters the hash of the first
+    block), so one client cannot tell from cached tokens or timing what another one sent.
     """
 
     n: int = 1
@@ -67,6 +108,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -77,6 +119,11 @@ class SamplingParams:
         else:
             self.stop_strings = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before each id is checked
+            raise ValueError(
+                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids, "
+                f"got {len(self.stop_token_ids)}."
+            )
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._verify()
@@ -106,7 +153,7 @@ class SamplingParams:
             lambda v: 0.0 < v <= 2.0,
         )
         if self.seed is not None:
-            check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
+            check_int("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX, hint="a signed 64-bit integer")
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
@@ -140,6 +187,8 @@ class SamplingParams:
                 f"got {type(so).__name__}."
             )
         self._verify_logit_bias()
+        if self.cache_salt is not None:
+            check_cache_salt(self.cache_salt)
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")

@@ -18,9 +18,12 @@ Slot maths (block_size = 4; a request with num_computed_tokens = 6 gets 5 new to
 
 Prefix caching (`enable_prefix_caching`): a FULL block is known by a hash chain,
 hash_i = sha256(hash_{i-1} + its token ids), so equal hashes mean equal tokens at equal
-positions after an equal prefix, hence equal K/V. A block is registered under its hash when it
-is allocated for the step that fills it (the model writes every layer's K/V for the whole batch
-before that layer attends, so a request scheduled later in the same step may already read it).
+positions after an equal prefix, hence equal K/V. hash_{-1} is the root, or for a request with a
+`cache_salt` sha256(root + salt): the salt enters the first block's hash, so requests with
+different salts share no block at all (and requests with the same salt share as before).
+A block is registered under its hash when it is allocated for the step that fills it (the
+model writes every layer's K/V for the whole batch before that layer attends, so a request
+scheduled later in the same step may already read it).
 A freed block keeps its hash and content and joins the free queue; a new request takes the
 longest chain of registered blocks (`get_computed_blocks`), pulling free ones back out of the
 queue. A fresh block is taken from the queue's head (least recently freed), and only then does
@@ -63,6 +66,19 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent of a request's first block: the root, or the root hashed with its salt.
+
+    The salted root hashes the root, a separator and the salt: short of a sha256 collision,
+    no block's hash equals it, since after the root a block's bytes are int64 token ids and
+    the separator's first 8 bytes read as one above 2^56, far outside any vocabulary.
+    """
+    if cache_salt is None:
+        return _ROOT_HASH
+    salt = cache_salt.encode("utf-8", "surrogatepass")  # any str: a lone surrogate too
+    return hashlib.sha256(_ROOT_HASH + b"\x00cache_salt\x00" + salt).digest()
+
+
 def block_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]:
     """`seq.block_hashes` extended to at least `num_blocks` full blocks of its known tokens.
 
@@ -70,7 +86,7 @@ def block_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]
     """
     hashes = seq.block_hashes
     if len(hashes) < num_blocks:
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(seq.sampling_params.cache_salt)
         for i in range(len(hashes), num_blocks):
             parent = hash_block(parent, seq.token_slice(i * block_size, (i + 1) * block_size))
             hashes.append(parent)

@@ -22,8 +22,9 @@ EMPTY_PROMPT = "The prompt is empty: give at least one token."
 class PromptError(ValueError):
     """A prompt that can never run.
 
-    `param` is the request field at fault: "prompt", or "max_tokens" / "min_tokens" (a strict
-    check's output bounds beyond the context). It has a default so the error survives pickling.
+    `param` is the request field at fault: "prompt", "max_tokens" / "min_tokens" (a strict
+    check's output bounds beyond the context), "logit_bias" or "stop_token_ids". It has a
+    default so the error survives pickling.
     """
 
     def __init__(self, message: str, param: str = "prompt") -> None:
@@ -77,7 +78,8 @@ class PromptLimits:
         Returns:
             max_tokens clamped to what the model's context leaves after the prompt.
         Raises:
-            PromptError: an empty prompt, a token id outside the vocabulary, a prompt that
+            PromptError: an empty prompt, a token id outside the vocabulary (in the prompt,
+                logit_bias or stop_token_ids), a prompt that
                 leaves no room in the context, (strict) a max_tokens beyond the context, or a
                 request larger than the whole KV cache.
         """
@@ -91,6 +93,12 @@ class PromptLimits:
             if t >= vocab:
                 raise PromptError(
                     f"logit_bias keys must be token ids in [0, {vocab}); got {t}.", "logit_bias"
+                )
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise PromptError(
+                    f"stop_token_ids must be token ids in [0, {vocab}); got {t}.",
+                    "stop_token_ids",
                 )
         n, limit = len(prompt_ids), self.max_model_len
         context = f"This model's maximum context length is {limit} tokens."

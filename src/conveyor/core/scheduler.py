@@ -12,6 +12,8 @@ prefill), a decoding request gets 1, and a preempted request recomputes everythi
     When a running request cannot get a block, the policy's victim (by default the most
     recently admitted) is preempted: blocks freed, num_computed_tokens = 0, re-queued at the
     front of waiting. A step that preempted for lack of blocks admits nothing new.
+A request with prompt_logprobs computes its prompt in chunks of at most PROMPT_LOGPROBS_CHUNK
+tokens (core/chunking.py), so its vocabulary-wide prompt rows never stall the others' step.
 
 Deadlines: a request with `sampling_params.deadline` that is still unfinished when a step
 starts at or after `arrival_time + deadline` is aborted there, waiting or running: status
@@ -28,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from conveyor.core.block_manager import BlockManager
+from conveyor.core.chunking import num_tokens_to_schedule
 from conveyor.core.limits import check_kv_fits
 from conveyor.core.policies import make_policy
 from conveyor.core.scheduler_output import SchedulerOutput
@@ -141,7 +144,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = num_tokens_to_schedule(req, req.num_computed_tokens, budget)
             if n <= 0:  # Nothing to compute (its sampled token never came back).
                 i += 1
                 continue
@@ -223,7 +226,7 @@ class Scheduler:
             else:
                 hits = []
             num_cached = len(hits) * bm.block_size
-            n = min(req.num_tokens - num_cached, budget)
+            n = num_tokens_to_schedule(req, num_cached, budget)
             if not bm.allocate_slots(req, n, hits):
                 break
             if bm.enable_prefix_caching:

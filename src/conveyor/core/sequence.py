@@ -66,6 +66,7 @@ class Sequence:
         "output_token_ids",
         "prompt_token_ids",
         "request_id",
+        "sample_index",
         "sampling_params",
         "status",
         "stop_reason",
@@ -79,15 +80,19 @@ class Sequence:
         max_tokens: int,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
+        sample_index: int = 0,
     ) -> None:
         """Args:
         max_tokens: the output cap after clamping to the model's context
             (`sampling_params.max_tokens` may be None or larger).
         eos_token_id: ends the request when sampled, unless `ignore_eos`.
+        sample_index: which of the request's n samples this is (a seeded sample draws from
+            `sample_seed(seed, sample_index)`).
         """
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.sample_index = sample_index
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

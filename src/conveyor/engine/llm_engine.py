@@ -116,10 +116,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = {}
         for i in range(params.n):
-            seq_params = params
-            if params.n > 1 and params.seed is not None:
-                # Each of the n samples gets its own reproducible stream.
-                seq_params = dataclasses.replace(params, seed=params.seed + i)
+            seq_params = params  # each sample's seeded stream comes from its sample_index
             if i > 0 and params.prompt_logprobs is not None:  # the first sample computes them
                 seq_params = dataclasses.replace(seq_params, prompt_logprobs=None)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -130,6 +127,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 eos_token_id=self.tokenizer.eos_token_id,
                 arrival_time=arrival,
+                sample_index=i,
             )
             seq = OutputState(
                 req,

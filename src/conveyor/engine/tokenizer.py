@@ -9,7 +9,7 @@ only in the tail that a new token could have completed, and `get_delta` keeps ba
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -80,7 +80,11 @@ class Tokenizer:
         extra = [t for t in self.eos_token_ids if t != eos and t not in params.stop_token_ids]
         if params.ignore_eos or not extra:
             return params
-        return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
+        # A copy, not dataclasses.replace: the model's own ids do not count against the
+        # request's MAX_STOP_TOKEN_IDS (and need no check).
+        out = copy.copy(params)
+        out.stop_token_ids = [*params.stop_token_ids, *extra]
+        return out
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the tokenizer's BOS etc. when add_special_tokens)."""

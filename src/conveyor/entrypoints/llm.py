@@ -10,6 +10,7 @@ the LLM itself, so it cannot keep the LLM alive.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -75,17 +76,20 @@ class LLM:
         """Generate completions; outputs come back in the order of `prompts`.
 
         Args:
-            prompts: a string, a list of token ids, a dict with "prompt" or "prompt_token_ids",
-                or a list of any of these.
+            prompts: a string, a list of token ids, a dict with "prompt" or "prompt_token_ids"
+                (and, as in vLLM, optionally "cache_salt": that prompt's
+                SamplingParams.cache_salt), or a list of any of these.
             sampling_params: one for every prompt, or a list with one per prompt.
             use_tqdm: show a progress bar.
         Raises:
             ValueError: a malformed prompt or a prompt that can never run. Nothing is queued
                 unless every prompt is valid.
         """
-        prompt_list = _normalize_prompts(prompts)
+        prompt_list, salts = _normalize_prompts(prompts)
         tokenizer = self.llm_engine.tokenizer
         token_prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in prompt_list]
+        if any(salt is not None for salt in salts):
+            sampling_params = _with_salts(sampling_params, salts)
         return self._generate(prompt_list, token_prompts, sampling_params, use_tqdm)
 
     def chat(
@@ -182,7 +186,8 @@ class LLM:
         return [finished[rid] for rid in request_ids]
 
 
-def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
+def _normalize_prompts(prompts: Any) -> tuple[list[str | list[int]], list[str | None]]:
+    """The prompts as text or token ids, and each one's cache_salt (None: its params')."""
     single = isinstance(prompts, (str, dict))
     token_list = isinstance(prompts, list) and bool(prompts) and all(map(_is_token, prompts))
     if single or token_list:
@@ -192,7 +197,21 @@ def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
             "prompts must be a string, a list of token ids, a dict with 'prompt' or "
             f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}."
         )
-    return [_normalize_one(p) for p in prompts]
+    salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+    return [_normalize_one(p) for p in prompts], salts
+
+
+def _with_salts(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, salts: list[str | None]
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt, with the prompt's own cache_salt where it has one."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params or SamplingParams()] * len(salts)
+    params = list(sampling_params)
+    if len(params) != len(salts):  # _generate names the mismatch
+        return params
+    pairs = zip(params, salts, strict=True)
+    return [p if s is None else dataclasses.replace(p, cache_salt=s) for p, s in pairs]
 
 
 def _normalize_one(p: Any) -> str | list[int]:

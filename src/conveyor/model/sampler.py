@@ -13,10 +13,10 @@ Stages, each skipped when no row needs it (the logits ones: conveyor.model.logit
         └─ random rows: / temperature ─► min_p ─► top_k ─► top_p ─► argmax(probs / q)
 
 `q ~ Exp(1)` turns argmax into a draw from `probs` (the exponential race: P(argmax = i) = p_i).
-A request with a seed draws its q row from its own torch.Generator, so its tokens do not
-depend on the rest of the batch or its position in it; other rows share the sampler's
-generator. Only the final `tolist` waits for the device (on CPU, the top-p window check
-also reads one value).
+A request with a seed draws its q row from its own torch.Generator (seeded with
+`sample_seed(seed, sample_index)`), so its tokens do not depend on the rest of the batch or its
+position in it; other rows share the sampler's generator. Only the final `tolist` waits for
+the device (on CPU, the top-p window check also reads one value).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from conveyor.model.logits_processors import (
     apply_penalties,
     top_k_top_p,
 )
+from conveyor.sampling_params import sample_seed
 
 # Temperatures below this are greedy, as in vLLM (dividing by them would overflow).
 _SAMPLING_EPS = 1e-5
@@ -168,7 +169,7 @@ class Sampler:
         gen = self._generators.get(request.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(request.sampling_params.seed)
+            gen.manual_seed(sample_seed(request.sampling_params.seed, request.sample_index))
             self._generators[request.request_id] = gen
         return gen
 

@@ -1,6 +1,6 @@
 """The FastAPI app: routes, API-key check, lifespan of the engine loop.
 
-    /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize  need the key
+    /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize  need a key
     /metrics                      needs it too with metrics_require_api_key
     /health, /ping (GET or HEAD: 200 with {"replicas": N, "serving": M}, or 503 when the
     engine is dead, hung, shutting down, or no replica serves),  /version       stay open
@@ -38,6 +38,7 @@ from conveyor.server.protocol import (
 )
 from conveyor.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from conveyor.server.streaming import until_disconnected
+from conveyor.server.tenancy import TenantSalt, bearer_credentials
 
 _OPEN_PATHS = ("/health", "/version", "/metrics", "/ping")
 
@@ -46,21 +47,21 @@ ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 class _APIKeyMiddleware:
     """Pure ASGI (streaming and disconnects pass through untouched): every path except the
-    open ones needs `Authorization: Bearer <key>`. The scheme is case-insensitive (RFC 7235);
-    the key is compared in constant time."""
+    open ones needs `Authorization: Bearer <key>` with one of the keys. The scheme is
+    case-insensitive (RFC 7235); the key is compared with every key, each in constant time."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str], open_paths: tuple[str, ...]) -> None:
         self.app = app
-        self._expected = api_key.encode()
+        self._expected = [k.encode() for k in api_keys]
         self._open_paths = open_paths
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in self._open_paths:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, credentials = given.strip().partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self._expected):
+        given = bearer_credentials(dict(scope["headers"]).get(b"authorization", b""))
+        matches = [hmac.compare_digest(given, key) for key in self._expected]
+        if given and any(matches):
             await self.app(scope, receive, send)
             return
         message = "Missing or invalid API key: send the header 'Authorization: Bearer <key>'."
@@ -68,17 +69,18 @@ class _APIKeyMiddleware:
 
 
 def build_app(
-    engine: AsyncLLM, api_key: str | None = None, config: ServerConfig | None = None
+    engine: AsyncLLM, api_key: str | list[str] | None = None, config: ServerConfig | None = None
 ) -> FastAPI:
     """Build the OpenAI-compatible app around an AsyncLLM.
 
     Args:
         engine: the engine; the app's lifespan starts its loop and shuts it down.
-        api_key: when set, every route but /health, /ping, /version and (unless
-            config.metrics_require_api_key) /metrics needs `Authorization: Bearer <api_key>`
-            (default: config.api_key).
+        api_key: a key or a list of keys; when set, every route but /health, /ping,
+            /version and (unless config.metrics_require_api_key) /metrics needs
+            `Authorization: Bearer <one of them>` (default: config.api_key).
         config: the limits (max_n, max_prompts_per_request, max_request_body_bytes,
-            request_timeout) and trust_request_chat_template; the engine holds
+            request_timeout), trust_request_chat_template and cache_salt_from (each tenant's
+            requests get their own prefix-cache salt, server/tenancy.py); the engine holds
             max_waiting_requests. Default: ServerConfig's defaults.
     Returns:
         The FastAPI app (serve it with uvicorn).
@@ -96,7 +98,11 @@ def build_app(
     app.router.route_class = DepthCheckedRoute  # every route below: bodies nest 64 deep at most
     install_error_handlers(app)
     config = config or ServerConfig()
-    api_key = api_key or config.api_key
+    if api_key:
+        api_keys = [api_key] if isinstance(api_key, str) else list(api_key)
+    else:
+        api_keys = config.api_keys
+    tenancy = None if config.cache_salt_from is None else TenantSalt.parse(config.cache_salt_from)
     ctx = ServingContext(
         engine,
         engine.model_name,
@@ -112,10 +118,14 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
+        if tenancy is not None:
+            body.cache_salt = tenancy.cache_salt(raw.scope["headers"], body.cache_salt)
         return await until_disconnected(raw, create_completion(ctx, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        if tenancy is not None:
+            body.cache_salt = tenancy.cache_salt(raw.scope["headers"], body.cache_salt)
         return await until_disconnected(raw, create_chat_completion(ctx, body))
 
     @app.get("/v1/models")
@@ -173,11 +183,11 @@ def build_app(
         return DetokenizeResponse(prompt=text)
 
     document_errors_as_400(app)
-    if api_key:
+    if api_keys:
         open_paths = tuple(
             p for p in _OPEN_PATHS if p != "/metrics" or not config.metrics_require_api_key
         )
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+        app.add_middleware(_APIKeyMiddleware, api_keys=api_keys, open_paths=open_paths)
     # Added last, so outermost: an oversized body is refused before anything else runs.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     return app

@@ -3,7 +3,8 @@
 One YAML file holds both the engine's keys (every EngineConfig field) and the server's keys
 (every ServerConfig field); `-` and `_` are interchangeable in key names, and an unknown key is
 an error that lists the known ones. The API key may also come from $CONVEYOR_API_KEY, so it
-need not appear in a process listing or a file.
+need not appear in a process listing or a file; several keys (one per tenant) are a list there,
+comma-separated in the variable.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from conveyor.engine.config import EngineConfig
 from conveyor.model.checkpoint import check_checkpoint
+from conveyor.server.tenancy import TenantSalt
 from conveyor.server.tool_parsers import TOOL_CALL_PARSERS
 from conveyor.validation import check_choice, check_int, check_number, check_positive_int
 
@@ -28,7 +30,12 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    # The key (or a list of keys, e.g. one per tenant) requests must bring; None: open.
+    api_key: str | list[str] | None = None
+    # Who a request's tenant is, for the prefix cache: "api-key" (the key it used) or
+    # "header:NAME" (that header's value); each tenant then gets its own cache salt, so no
+    # tenant shares (or can probe) another's cached prefixes (server/tenancy.py). None: shared.
+    cache_salt_from: str | None = None
     # Names clients may send as "model"; the first is the one responses and metrics report.
     # A string is one name; None: the checkpoint folder's name (or "conveyor-demo").
     served_model_name: str | list[str] | None = None
@@ -93,8 +100,24 @@ class ServerConfig:
         for name in ("engine_process", "trust_request_chat_template", "metrics_require_api_key"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ValueError(f"api_key must be a non-empty string, got {self.api_key!r}.")
+        if self.api_key is not None:
+            keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key
+            if (
+                not isinstance(keys, (list, tuple))
+                or not keys
+                or not all(isinstance(k, str) and k for k in keys)
+            ):
+                message = "api_key must be a non-empty string or a list of them"
+                raise ValueError(f"{message}, got {type(self.api_key).__name__}.")
+            if not isinstance(self.api_key, str):
+                self.api_key = list(dict.fromkeys(keys))  # drop repeats, keep order
+        if self.cache_salt_from is not None:
+            TenantSalt.parse(self.cache_salt_from)
+            if self.cache_salt_from == "api-key" and self.api_key is None:
+                raise ValueError(
+                    "cache_salt_from api-key needs api_key: give --api-key (one key per "
+                    "tenant), or name a tenant header with header:NAME."
+                )
         if self.tool_call_parser is not None:
             check_choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_CALL_PARSERS))
         names = self.served_model_name
@@ -108,6 +131,12 @@ class ServerConfig:
                 message = "served_model_name must be a non-empty name or a list of them"
                 raise ValueError(f"{message}, got {names!r}.")
             self.served_model_name = list(dict.fromkeys(listed))  # drop repeats, keep order
+
+    @property
+    def api_keys(self) -> list[str]:
+        """Every accepted API key (empty: no key needed)."""
+        key = self.api_key
+        return [] if key is None else [key] if isinstance(key, str) else list(key)
 
 
 def _field_names(cls: type) -> list[str]:
@@ -161,7 +190,8 @@ def build_serve_config(
     values = read_config_file(config_file) if config_file else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     if values.get("api_key") is None and os.environ.get(API_KEY_ENV):
-        values["api_key"] = os.environ[API_KEY_ENV]
+        keys = [k.strip() for k in os.environ[API_KEY_ENV].split(",") if k.strip()]
+        values["api_key"] = keys[0] if len(keys) == 1 else keys
     server_keys = set(_field_names(ServerConfig))
     engine_values = {k: v for k, v in values.items() if k not in server_keys}
     server_values = {k: v for k, v in values.items() if k in server_keys}

@@ -10,6 +10,7 @@ SamplingParams, whose ValueError names the field; `to_sampling_params` turns it 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
@@ -22,6 +23,19 @@ from conveyor.server.unicode import find_lone_surrogate
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
+
+# A logit_bias key: a token id in ASCII digits (no vocabulary reaches 10 digits).
+_MAX_TOKEN_ID_DIGITS = 10
+_TOKEN_ID_KEY = re.compile(rf"[0-9]{{1,{_MAX_TOKEN_ID_DIGITS}}}")
+
+
+def _check_strict(value: Any, where: str) -> None:
+    """OpenAI's `strict` flags are booleans: `"strict": "yes"` is a 400, not truthy."""
+    if value is not None and not isinstance(value, bool):
+        raise PydanticCustomError(
+            "strict_bool", "{where} must be true or false, got {value}",
+            {"where": where, "value": repr(value)[:40]},
+        )  # fmt: skip
 
 
 class OpenAIModel(BaseModel):
@@ -84,6 +98,17 @@ class _GenerationRequest(OpenAIModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     prompt_logprobs: Int | None = None  # completions only (chat refuses it in check_chat)
+    # vLLM's: requests with different salts share no prefix-cache blocks. A server with
+    # --cache-salt-from combines it with the tenant's own salt (server/tenancy.py).
+    cache_salt: str | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _strict_schema_flag(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        spec = value.get("json_schema") if value else None
+        if isinstance(spec, dict):
+            _check_strict(spec.get("strict"), "json_schema.strict")
+        return value
 
     def check_common(self) -> None:
         """Checks that SamplingParams cannot make (they involve the request as a whole)."""
@@ -95,14 +120,16 @@ class _GenerationRequest(OpenAIModel):
             raise APIError("best_of is not supported: leave it unset or equal to n.", "best_of")
 
     def _logit_bias(self) -> dict[int, float] | None:
-        """OpenAI sends token ids as JSON object keys (strings)."""
+        """OpenAI sends token ids as JSON object keys (strings): ASCII decimal digits only
+        (`str.isdigit` also takes "²", which int() refuses), and few enough of them."""
         if not self.logit_bias:
             return None
         out = {}
         for key, bias in self.logit_bias.items():
-            if not key.isdigit():
+            if not _TOKEN_ID_KEY.fullmatch(key):
                 raise APIError(
-                    f"logit_bias keys must be token ids (non-negative integers), got {key!r}.",
+                    "logit_bias keys must be token ids (decimal integers >= 0, at most "
+                    f"{_MAX_TOKEN_ID_DIGITS} digits), got {key!r:.40}.",
                     param="logit_bias",
                 )
             out[int(key)] = bias
@@ -136,6 +163,7 @@ class _GenerationRequest(OpenAIModel):
             "length_hint": self.length_hint,
             "logit_bias": self._logit_bias(),
             "prompt_logprobs": self.prompt_logprobs,
+            "cache_salt": self.cache_salt,
         }
         kwargs = {k: v for k, v in fields.items() if v is not None}
         try:
@@ -202,6 +230,15 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _strict_function_flags(cls, value: list[dict[str, Any]] | None) -> Any:
+        for i, tool in enumerate(value or ()):
+            fn = tool.get("function")
+            if isinstance(fn, dict):
+                _check_strict(fn.get("strict"), f"tools[{i}].function.strict")
+        return value
 
     def check_chat(self) -> None:
         """Chat-only checks, before the template is applied."""
