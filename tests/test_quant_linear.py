@@ -17,6 +17,7 @@ from torch import nn
 
 from conveyor.engine.config import EngineConfig
 from conveyor.model.quant_linear import (
+    GEMM_ROWS,
     QUANT_TYPES,
     QuantEmbedding,
     QuantLinear,
@@ -92,12 +93,28 @@ def test_quant_linear_matches_its_dequantized_weight(kernels, qtype, rows, n, k,
     with torch.inference_mode():
         got = QuantLinear([weight], bias, kernels, passes=passes)(x)
         exact = x @ w.T + bias
+    if rows >= GEMM_ROWS:  # prefill-sized: the dequantized weight in a float32 GEMM
+        assert_same_up_to_fp32_order(got, x, w, bias)
+        return
     xq, half_step = _quantize(x, passes)
     assert_same_up_to_fp32_order(got, xq, w, bias)
     bound = half_step @ w.abs().T  # the activation rounding's worst case
     assert torch.all((got - exact).abs() <= bound * 1.001 + 2e-5)
     if passes == 2:  # two passes: about 254x closer to fp32 than one
         assert (got - exact).abs().max() < 0.05 * (x.abs().max() / 254 * w.abs().sum(1).max())
+
+
+def test_a_prefill_gemm_slices_the_weight_and_adds_the_bias(kernels, monkeypatch):
+    import conveyor.model.quant_linear as ql
+
+    monkeypatch.setattr(ql, "_GEMM_SLICE", 24)  # 3 slices of 24 weight rows and one of 8
+    parts = [random_blocks("Q4_K", 48, 256, 1), random_blocks("Q8_0", 32, 256, 2)]
+    w = torch.cat([p.dequantize() for p in parts])
+    bias = nn.Parameter(torch.randn(80), requires_grad=False)
+    x = torch.randn(GEMM_ROWS + 5, 256, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        got = QuantLinear(parts, bias, kernels)(x)
+    assert_same_up_to_fp32_order(got, x, w, bias)
 
 
 def test_a_fused_weight_of_mixed_types_stacks_its_pieces_in_order(kernels):

@@ -52,7 +52,7 @@ _ARGMAX_ARGS = [_P, _I64, _I64, _I64, _P, _I32]
 _LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I32]
 _QUANTIZE_ARGS = [_P, _I64, _I64, _I64, _P, _I32, _I32]
 _QUANT_LINEAR_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _I32, _P, _P, _I64, _I32]
-_QUANT_ROWS_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64]
+_QUANT_ROWS_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32]
 # Every exported C function: (argument types, return type), as csrc/ declares it.
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_paged_attention_f32": (_ATTENTION_ARGS, ctypes.c_int),

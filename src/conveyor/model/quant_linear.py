@@ -36,6 +36,11 @@ QUANT_TYPES = {
     "Q6_K": (14, 256, 210),
 }
 BLOCK = 32  # activations are quantized per 32
+# From this many rows of x (a prefill chunk) a QuantLinear dequantizes its weight, a slice of
+# rows at a time, and multiplies in float32 (oneDNN's GEMM): the integer kernels are
+# matrix-vector products, with no reuse of a weight across rows of x.
+GEMM_ROWS = 32
+_GEMM_SLICE = 1024  # weight rows dequantized at a time (1024 x 4096 floats: 16 MiB)
 _Q8A_BYTES = 40  # one activation block: float d, float s, int8 q[32]
 # Every kept type runs on rows interleaved eight at a time (interleave_x8): bytes per block
 # of such a group of eight rows (the K-quants' 6-bit scales decoded to bytes: 2-3% more).
@@ -176,6 +181,7 @@ class QuantLinear(nn.Module):
         self.bias = bias
         self._quantize = kernels.fns["conveyor_quantize_q8a_f32"]
         self._linear = kernels.fns["conveyor_quant_linear_f32"]
+        self._rows = kernels.fns["conveyor_quant_rows_f32"]
 
     def _apply(self, fn, recurse=True):  # .to() and friends may move the buffers
         self._plan = None
@@ -208,6 +214,8 @@ class QuantLinear(nn.Module):
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         m, threads, passes = rows.shape[0], torch.get_num_threads(), self.passes
+        if m >= GEMM_ROWS:
+            return self._gemm(rows, threads).view(*x.shape[:-1], self.out_features)
         out = torch.empty(m, self.out_features, dtype=torch.float32)
         if m:
             xq = torch.empty(passes, m, k // BLOCK * _Q8A_BYTES, dtype=torch.uint8)
@@ -221,6 +229,27 @@ class QuantLinear(nn.Module):
                 if failed:
                     raise ValueError(f"the quantized kernel does not handle type {type_id}.")
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _gemm(self, rows: torch.Tensor, threads: int) -> torch.Tensor:
+        """x @ W.T + b in float32, W dequantized _GEMM_SLICE rows at a time (exact: no
+        activation quantization)."""
+        k = self.in_features
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        weight = torch.empty(min(_GEMM_SLICE, max(self.rows)), k, dtype=torch.float32)
+        for type_id, w, ldw, n, _, start in self._launches():
+            for j in range(0, n, _GEMM_SLICE):
+                ids = torch.arange(j, min(n, j + _GEMM_SLICE), dtype=torch.int64)
+                part = weight[: ids.numel()]
+                if self._rows(
+                    type_id, w, ldw, n, k, ids.data_ptr(), ids.numel(), part.data_ptr(), k,
+                    threads,
+                ):  # fmt: skip
+                    raise ValueError(f"the quantized kernel does not handle type {type_id}.")
+                at = start + j
+                out[:, at : at + ids.numel()] = rows @ part.T
+        if self.bias is not None:
+            out += self._bias
+        return out
 
 
 class QuantEmbedding(nn.Module):
@@ -248,7 +277,7 @@ class QuantEmbedding(nn.Module):
         failed = self._rows(
             QUANT_TYPES[self.qtype][0], self.qweight.data_ptr(), self.qweight.stride(0),
             self.num_embeddings, self.embedding_dim, flat.data_ptr(), flat.numel(),
-            out.data_ptr(), self.embedding_dim,
+            out.data_ptr(), self.embedding_dim, torch.get_num_threads(),
         )  # fmt: skip
         if failed == 2:
             raise ValueError(f"a token id is outside the vocabulary [0, {self.num_embeddings}).")

@@ -116,14 +116,17 @@ int conveyor_quant_linear_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t 
 
 /* Rows ids[i] (i < count) of W (n rows, laid out as conveyor_quant_linear_f32 takes them)
  * dequantized to float32 out [count, k] (ldo apart): the embedding lookup of a quantized
- * embedding. Returns 0, 1 for an unknown type, 2 for an id outside [0, n) (its row is left as
- * it was). */
+ * embedding, and a quantized linear's weight for prefill-sized GEMMs. Returns 0, 1 for an
+ * unknown type, 2 for an id outside [0, n) (its row is left as it was). */
 int conveyor_quant_rows_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
-                            const int64_t *ids, int64_t count, float *out, int64_t ldo)
+                            const int64_t *ids, int64_t count, float *out, int64_t ldo,
+                            int num_threads)
 {
     const int kquant = quant_k_block_bytes(qtype) > 0;
     if (kquant ? k % QK_K != 0 : !quant_x8_block_bytes(qtype)) return 1;
     int failed = 0;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(max : failed) \
+        if (count * k >= 64 * 1024)
     for (int64_t i = 0; i < count; i++) {
         if (ids[i] < 0 || ids[i] >= n) {
             failed = 2;
