@@ -12,8 +12,9 @@
                    the time limit for the big lane) hands that thread over as "overtime" and
                    starts its next job in a new thread; at most MAX_OVERTIME per lane.
 
-Each lane has one thread at a time, plus its overtime ones: four compile threads at most.
-xgrammar cannot stop a compile once it started, so a timed-out one runs on in its thread;
+Each lane has one thread at a time, plus its overtime ones: four compile threads at most,
+each ending when its lane has nothing queued. xgrammar cannot stop a compile once it
+started, so a timed-out one runs on in its thread;
 nobody waits for it, and its result, if it comes, is kept (a retry then hits the cache). A
 constraint that timed out fails at once when asked again (until its result arrives or it
 leaves the cache). The limits of structured_limits.py keep such compiles rare.
@@ -196,8 +197,8 @@ class GrammarCache:
         return self.num_hits / self.num_queries if self.num_queries else 0.0
 
     def shutdown(self) -> None:
-        """Cancel the queued compiles (running ones end on their own; the threads are
-        daemons, so they never hold up the process's exit)."""
+        """Cancel the queued compiles; running ones end on their own (the process's exit
+        waits for them: limits keep them to seconds)."""
         with self._lock:
             for lane in (self._small, self._big):
                 while lane.queue:
@@ -209,7 +210,10 @@ class GrammarCache:
         worker = _Worker()
         lane.active = worker
         name = f"conveyor-grammar-{lane.name}"
-        threading.Thread(target=self._work, args=(lane, worker), name=name, daemon=True).start()
+        # Not a daemon: Python waits for it at exit. A daemon thread whose compile returns while
+        # the interpreter finalizes is ended by pthread_exit inside xgrammar's C++ frames,
+        # which aborts the process ("terminate called without an active exception").
+        threading.Thread(target=self._work, args=(lane, worker), name=name).start()
 
     def _next_job(self, lane: _Lane, worker: _Worker) -> CompileJob | None:
         """The worker's next job, or None when it should end (the lock is held)."""
