@@ -106,7 +106,7 @@ class GrammarCache:
         self.num_hits = 0
         self.num_compiles = 0
         self.num_timeouts = 0
-        self.compile_time_s = 0.0  # total seconds spent compiling (the tokenizer info included)
+        self.compile_time_s = 0.0  # total seconds spent compiling
 
     # ------------------------------------------------------------------ the engine's side
     def get(self, so: StructuredOutputsParams) -> CompileJob:
@@ -232,15 +232,24 @@ class GrammarCache:
 
     def _work(self, lane: _Lane, worker: _Worker) -> None:
         while True:
+            # The compiler first (the first time: xgrammar's import and the tokenizer info,
+            # seconds for a large vocabulary): that is no job's compile time.
+            compiler: Any = None
+            setup_error: BaseException | None = None
+            try:
+                compiler = self._ensure_compiler()
+            except BaseException as exc:  # every job of this worker fails with it
+                setup_error = exc
             with self._lock:
                 job = self._next_job(lane, worker)
             if job is None:
                 return
             result: Any = None
-            error: BaseException | None = None
+            error: BaseException | None = setup_error
             start = time.perf_counter()
             try:
-                result = self._compile(job.so)
+                if error is None:
+                    result = self._compile(compiler, job.so)
             except BaseException as exc:  # the request's error (a bad grammar) or a fault
                 error = exc
             with self._lock:
@@ -258,7 +267,7 @@ class GrammarCache:
                     done.future.set_result(result)
                     self._jobs[job.so.key] = done
 
-    def _compile(self, so: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    def _ensure_compiler(self) -> xgr.GrammarCompiler:
         import xgrammar as xgr
 
         with self._compiler_lock:  # the first compile of each lane may get here together
@@ -269,7 +278,13 @@ class GrammarCache:
                     stop_token_ids=self._stop_token_ids or None,
                 )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            compiler = self._compiler
+            return self._compiler
+
+    def _compile(
+        self, compiler: xgr.GrammarCompiler, so: StructuredOutputsParams
+    ) -> xgr.CompiledGrammar:
+        import xgrammar as xgr
+
         compiled = compiler.compile_grammar(build_grammar(so))
         if not can_start(xgr.GrammarMatcher(compiled), self.vocab_size):
             raise GrammarUnsatisfiableError(
