@@ -107,10 +107,13 @@ UNSATISFIABLE = [
     {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]},
     {"$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"anyOf": [{"$ref": "#/$defs/a"}]}},
      "$ref": "#/$defs/a"},
+    {"properties": {"x": False}, "required": ["x"]},
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("schema", UNSATISFIABLE, ids=["allOf-self", "required-self", "cycle"])
+@pytest.mark.parametrize(
+    "schema", UNSATISFIABLE, ids=["allOf-self", "required-self", "cycle", "required-false"]
+)
 def test_a_schema_that_only_refers_to_itself_is_refused(schema: dict) -> None:
     with pytest.raises(ConstraintLimitError, match="can never be satisfied"):
         _check(json=schema)

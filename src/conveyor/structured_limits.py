@@ -12,8 +12,8 @@ the field and the limit:
     enforceable what xgrammar would silently ignore is refused: a remote `$ref`, `allOf`
                 with several schemas (it becomes any JSON), `uniqueItems`, `dependentRequired`
                 / `dependentSchemas`, `format` with a length bound
-    satisfiable a schema that can produce no value through its own references (an `allOf`
-                or a required property that leads back to itself)
+    satisfiable a schema that can produce no value through what it needs (an `allOf`, a
+                `$ref` or a required property that leads back to itself, or to `false`)
 
 The engine's compile time limit (EngineConfig.grammar_compile_timeout) is the backstop for
 whatever passes these and is still slow.
@@ -151,8 +151,9 @@ def check_schema(schema: Any, where: str) -> None:
             stack.append((f"{pointer}/{key}", value))
     if not _productive(nodes):
         raise ConstraintLimitError(
-            f"{where} can never be satisfied: it only refers back to itself (through $ref, "
-            "allOf or a required property) with no value of its own to produce."
+            f"{where} can never be satisfied: it needs (through a $ref, an allOf or a "
+            "required property) a schema that accepts no value: `false`, or one that only "
+            "refers back to itself."
         )
 
 
