@@ -10,7 +10,8 @@ from tests.structured_schemas import Customer, Order, Person
 
 from conveyor import LLM, SamplingParams
 from conveyor.core.sequence import Sequence
-from conveyor.engine.grammar import GrammarCache, GrammarRejectedError, RequestGrammar
+from conveyor.engine.grammar import GrammarRejectedError, RequestGrammar
+from conveyor.engine.grammar_cache import GrammarCache
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.model.sampler import Sampler
 from conveyor.structured_outputs import StructuredOutputsParams
@@ -106,7 +107,7 @@ def _seq(rid: str, params: SamplingParams, grammar: RequestGrammar | None = None
 def test_the_bitmask_leaves_unconstrained_rows_exactly_as_they_were(tokenizer) -> None:
     vocab = tokenizer.vocab_size + 64  # the model's logits may be wider than the tokenizer
     cache = GrammarCache(tokenizer.hf, vocab, tokenizer.eos_token_ids)
-    compiled = cache.get(StructuredOutputsParams(choice=["yes", "no"])).result(timeout=60)
+    compiled = cache.get(StructuredOutputsParams(choice=["yes", "no"])).future.result(timeout=60)
     free = [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=0.0)]
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
     logits[:, tokenizer.vocab_size :] = 50.0  # ids the tokenizer does not have: never allowed
@@ -127,7 +128,7 @@ def test_the_bitmask_leaves_unconstrained_rows_exactly_as_they_were(tokenizer) -
 
 def test_the_matcher_follows_the_output_tokens_and_rebuilds_after_a_rollback(tokenizer) -> None:
     cache = GrammarCache(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)
-    compiled = cache.get(StructuredOutputsParams(regex="ab+")).result(timeout=60)
+    compiled = cache.get(StructuredOutputsParams(regex="ab+")).future.result(timeout=60)
     grammar = RequestGrammar(compiled)
     a, b = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab")
     grammar.sync([a, b, b])

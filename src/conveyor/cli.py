@@ -127,6 +127,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--aging-bound-s", type=float, metavar="S", help="sjf family: aging bound (10; inf: off)")
     add("--preemption-threshold", type=float, metavar="F", help="preemptive-sjf threshold (0.5)")
     add("--preemption-cooldown-s", type=float, metavar="S", help="preemptive-sjf cooldown (0.5)")
+    add("--grammar-compile-timeout", type=float, metavar="S", help="a structured-output "
+        "grammar that takes longer to compile fails its request with a 400 (5)")  # fmt: skip
     add("--max-waiting-requests", type=int, metavar="N", help="waiting sequences before 503 "
         "(default: one per KV block)")  # fmt: skip
     add("--max-n", type=int, metavar="N", help="largest n one request may ask for (16)")

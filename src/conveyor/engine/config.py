@@ -68,6 +68,9 @@ class EngineConfig:
     # preemptive-sjf: a request is not preempted by the policy within this long of joining the
     # batch, so it always makes progress between preemptions (no thrash).
     preemption_cooldown_s: float = 0.5
+    # Seconds a structured-output grammar may take to compile; one that takes longer fails
+    # its request (a 400 naming this limit). inf: no limit.
+    grammar_compile_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -125,4 +128,7 @@ class EngineConfig:
             self.preemption_cooldown_s,
             ">= 0 and finite",
             lambda v: 0 <= v < math.inf,
+        )
+        check_number(
+            "grammar_compile_timeout", self.grammar_compile_timeout, "> 0", lambda v: v > 0
         )

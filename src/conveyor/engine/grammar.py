@@ -1,18 +1,22 @@
-"""Grammars of structured outputs: checked, compiled off the engine step, cached, matched.
+"""Grammars of structured outputs: checked, compiled off the engine step, matched.
 
-    server (event loop)       check_structured_outputs: schema -> xgrammar Grammar (no
-                              tokenizer, ~1 ms, off the loop): a bad one is a 400 there
-    engine add_request  ───►  GrammarCache.get(params): a Future, compiled in the cache's own
-                              thread; the request waits outside the scheduler until it is done
+    server (schema pool)      check_structured_outputs: the limits (structured_limits.py),
+                              then schema -> xgrammar Grammar (no tokenizer, ~1 ms) and, for
+                              a small one, whether it allows any output at all: a bad one is
+                              a 400 there
+    engine add_request  ───►  GrammarCache.get(params) (grammar_cache.py): a job, compiled in
+                              a lane of threads; the request waits outside the scheduler
     engine step start   ───►  ready requests join the scheduler with a RequestGrammar (matcher)
     sampler             ───►  one bitmask for the batch, applied to the constrained rows
-    engine update       ───►  the matcher accepts the new token; terminated: finish "stop"
+    engine update       ───►  the matcher accepts the new token; terminated: finish "stop";
+                              a grammar that allows no token at all: the request's own 400
 
-Why compile in the engine process's own thread rather than in the server's pool: a compiled
-grammar is tied to its TokenizerInfo and would have to be serialised across the process pipe;
-compiling where it is used keeps the pipe carrying only the spec. The engine step never waits
-on a compile unless nothing else can run (then it waits briefly instead of spinning).
-xgrammar is imported on first use (about 1 s): engines that never see a constraint skip it.
+Why compile in the engine process's own threads rather than in the server's pool: a compiled
+grammar is tied to its TokenizerInfo and would have to be serialised across the process pipe
+(measured: 45 MB and 3 s to serialise a 400-property schema that compiled in 0.09 s);
+compiling where it is used keeps the pipe carrying only the spec. xgrammar releases the GIL
+while it compiles, so the engine step runs on meanwhile. xgrammar is imported on first use
+(about 1 s): engines that never see a constraint skip it.
 """
 
 from __future__ import annotations
@@ -20,11 +24,9 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from conveyor.structured_limits import check_constraint
 from conveyor.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -39,22 +41,37 @@ _LOCATION = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
 # parser takes (measured: 26 of 264 demo-model outputs). They become [^\0-\x1f"\\] here.
 _BOUNDED_STRING_CHARS = r"[^\"\\\r\n]"
 _JSON_STRING_CHARS = r"[^\0-\x1f\"\\]"
+# Constraints up to this long are "small": the server also checks that they allow some
+# output, and the engine compiles them in its small lane (never behind a big one).
+SMALL_SPEC_CHARS = 4096
 
 
 class GrammarError(ValueError):
-    """A constraint that xgrammar cannot turn into a grammar."""
+    """A constraint that xgrammar cannot turn into a grammar (the request's own fault)."""
 
 
-def build_grammar(so: StructuredOutputsParams) -> xgr.Grammar:
+class GrammarUnsatisfiableError(GrammarError):
+    """A grammar that allows no output, at its start or after the tokens so far."""
+
+
+class GrammarTimeoutError(GrammarError):
+    """A grammar that did not compile within the engine's grammar_compile_timeout."""
+
+
+def build_grammar(so: StructuredOutputsParams, where: str | None = None) -> xgr.Grammar:
     """The xgrammar Grammar of a constraint (tokenizer-independent).
 
+    Args:
+        where: the field messages name (default `structured_outputs.<kind>`).
     Raises:
-        GrammarError: the schema, regex or grammar is invalid or unsupported; the message
-            names the `structured_outputs` field.
+        GrammarError: the schema, regex or grammar is invalid or unsupported.
+        ConstraintLimitError: it is over a limit of structured_limits.py, checked first.
     """
     import xgrammar as xgr
 
     kind, spec, compact = so.key
+    where = where or f"structured_outputs.{kind}"
+    check_constraint(kind, spec, where, len(so.choice or ()))
     separators = _COMPACT_SEPARATORS if compact else None
     try:
         if kind in ("json", "json_object"):
@@ -76,91 +93,71 @@ def build_grammar(so: StructuredOutputsParams) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(spec)
     except (RuntimeError, ValueError, TypeError) as exc:
         message = _LOCATION.sub("", str(exc)).strip()
-        raise GrammarError(f"structured_outputs.{kind} cannot be compiled: {message}") from None
+        raise GrammarError(f"{where} cannot be compiled: {message}") from None
 
 
-def check_structured_outputs(so: StructuredOutputsParams | None) -> None:
-    """Raise GrammarError (a ValueError) unless `so` is None or compiles."""
-    if so is not None:
-        build_grammar(so)
+def check_structured_outputs(so: StructuredOutputsParams | None, where: str | None = None) -> None:
+    """Raise a ValueError unless `so` is None, within the limits, compiles, and (when it is
+    small) allows some output.
 
-
-class GrammarCache:
-    """Compiles grammars in one background thread, keeping the latest `max_entries`.
-
-    Args:
-        hf_tokenizer: the transformers tokenizer the model's tokens come from.
-        vocab_size: the width of the model's logits (it may exceed the tokenizer's size; the
-            extra ids are never allowed).
-        stop_token_ids: tokens that end a request where the grammar is complete.
-        max_entries: compiled grammars kept (least recently used dropped first).
+    The last check compiles the grammar for a vocabulary of the 256 single bytes: about as
+    cheap as building it for a small constraint, so it runs only for those (the engine checks
+    every compiled grammar the same way, for its own tokenizer). It sees dead ends at the
+    start and after the text the grammar forces there; a later one the engine finds when the
+    output reaches it.
     """
-
-    def __init__(
-        self,
-        hf_tokenizer: Any,
-        vocab_size: int,
-        stop_token_ids: list[int],
-        max_entries: int = 256,
-    ) -> None:
-        self._hf_tokenizer = hf_tokenizer
-        self.vocab_size = vocab_size
-        self._stop_token_ids = list(stop_token_ids)
-        self._max_entries = max_entries
-        self._compiler: xgr.GrammarCompiler | None = None  # built on first use, in the thread
-        self._executor: ThreadPoolExecutor | None = None
-        self._futures: OrderedDict[tuple[str, str, bool], Future[xgr.CompiledGrammar]] = (
-            OrderedDict()
-        )
-        self._lock = threading.Lock()
-        self.num_queries = 0
-        self.num_hits = 0
-        self.num_compiles = 0
-        self.compile_time_s = 0.0  # total seconds spent compiling (the tokenizer info included)
-
-    def get(self, so: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
-        """The compiled grammar of `so`, as a Future (done at once on a cache hit)."""
-        key = so.key
-        with self._lock:
-            self.num_queries += 1
-            future = self._futures.get(key)
-            if future is not None and not (future.done() and future.exception() is not None):
-                self.num_hits += 1
-                self._futures.move_to_end(key)
-                return future
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="conveyor-grammar")
-            future = self._executor.submit(self._compile, so)
-            self._futures[key] = future
-            while len(self._futures) > self._max_entries:
-                self._futures.popitem(last=False)
-            return future
-
-    def _compile(self, so: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    if so is None:
+        return
+    grammar = build_grammar(so, where)
+    if len(so.spec) <= SMALL_SPEC_CHARS:
         import xgrammar as xgr
 
-        start = time.perf_counter()
-        try:
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._hf_tokenizer,
-                    vocab_size=self.vocab_size,
-                    stop_token_ids=self._stop_token_ids or None,
-                )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            return self._compiler.compile_grammar(build_grammar(so))
-        finally:
-            with self._lock:
-                self.num_compiles += 1
-                self.compile_time_s += time.perf_counter() - start
+        matcher = xgr.GrammarMatcher(
+            _byte_compiler().compile_grammar(grammar), terminate_without_stop_token=True
+        )
+        if not can_start(matcher, 256):
+            where = where or f"structured_outputs.{so.kind}"
+            raise GrammarUnsatisfiableError(
+                f"{where} can never be satisfied: no output matches it."
+            )
 
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hits / self.num_queries if self.num_queries else 0.0
 
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+_byte_lock = threading.Lock()
+_byte_compilers: list[xgr.GrammarCompiler] = []
+
+
+def _byte_compiler() -> xgr.GrammarCompiler:
+    """A compiler for the vocabulary of the 256 single bytes (built once, thread-safe)."""
+    with _byte_lock:
+        if not _byte_compilers:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo([bytes([i]) for i in range(256)], vocab_type=xgr.VocabType.RAW)
+            _byte_compilers.append(
+                xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=16 << 20)
+            )
+        return _byte_compilers[0]
+
+
+def can_start(matcher: xgr.GrammarMatcher, vocab_size: int) -> bool:
+    """Whether a fresh matcher's grammar allows some output: past the text it forces (a
+    JSON string's opening quote, say), some token is still allowed, or it is complete.
+    Moves the matcher on by that forced text: give it a throwaway one."""
+    forced = matcher.find_jump_forward_string()
+    if forced and not matcher.accept_string(forced):
+        return False
+    return allows_any_token(matcher, vocab_size)
+
+
+def allows_any_token(matcher: xgr.GrammarMatcher, vocab_size: int) -> bool:
+    """Whether the matcher can go on from where it is: some token allowed next, or done."""
+    import xgrammar as xgr
+
+    if matcher.is_terminated():
+        return True
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 class GrammarRejectedError(RuntimeError):
@@ -177,19 +174,22 @@ class RequestGrammar:
     matcher stays valid across it without a rebuild.
     """
 
-    __slots__ = ("matcher", "num_accepted")
+    __slots__ = ("matcher", "num_accepted", "vocab_size")
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
+        self.vocab_size = compiled.tokenizer_info.vocab_size
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Accept the outputs the matcher has not seen.
 
         Raises:
-            GrammarRejectedError: one of them breaks the grammar.
+            GrammarUnsatisfiableError: the grammar allows no token at all where one broke it
+                (a dead end of the constraint: the request's own fault).
+            GrammarRejectedError: one of them breaks the grammar otherwise.
         """
         n = self.num_accepted
         if n == len(output_token_ids):
@@ -200,6 +200,11 @@ class RequestGrammar:
         for token_id in output_token_ids[n:]:
             if not self.matcher.accept_token(token_id):
                 self.num_accepted = n
+                if not allows_any_token(self.matcher, self.vocab_size):
+                    raise GrammarUnsatisfiableError(
+                        "structured_outputs can never be satisfied: after "
+                        f"{n} token(s) it allows no further output."
+                    )
                 raise GrammarRejectedError(f"token {token_id} breaks the request's grammar")
             n += 1
         self.num_accepted = n

@@ -7,7 +7,9 @@ A request added with `delta=True` reports only what is new since its previous ou
 streams these); otherwise outputs are cumulative.
 A fault of one request (non-finite logits, made an invalid token by the logits guard; an
 exception in its token-level stop check, detokenizer, stop strings or logprobs) fails it
-alone: finish_reason "abort", `error` set, blocks freed; the step goes on for the others.
+alone: finish_reason "abort", `error` set, blocks freed; the step goes on for the others. A
+constraint that fails its request (it does not compile, or not in time, or allows no output)
+sets `error_param` too: the request's own mistake, which the server answers with a 400.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from conveyor.core.limits import PromptLimits
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.config import EngineConfig
-from conveyor.engine.grammar import GrammarCache
+from conveyor.engine.grammar import GrammarUnsatisfiableError
+from conveyor.engine.grammar_cache import GrammarCache
 from conveyor.engine.grammar_queue import GrammarQueue
 from conveyor.engine.output_state import OutputState, RequestState
 from conveyor.engine.outputs import Metric, MetricName, RequestMetrics, RequestOutput
@@ -63,10 +66,13 @@ class LLMEngine:
         kv_capacity = self.scheduler.block_manager.num_total_blocks * config.block_size
         self.limits = PromptLimits(self.max_model_len, self.runner.vocab_size, kv_capacity)
         self.grammars = GrammarCache(
-            self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids
+            self.tokenizer.hf,
+            self.runner.vocab_size,
+            self.tokenizer.eos_token_ids,
+            timeout_s=config.grammar_compile_timeout,
         )
         # Sequences with structured outputs whose grammar is still compiling.
-        self._grammar_queue = GrammarQueue()
+        self._grammar_queue = GrammarQueue(self.grammars)
         self._parents: dict[str, RequestState] = {}
         self._seqs: dict[str, OutputState] = {}
         # What the current step scheduled (None until schedule() returned), for abort_step().
@@ -141,12 +147,11 @@ class LLMEngine:
             self._seqs[seq_id] = seq
         self._parents[request_id] = parent
         so = params.structured_outputs
-        grammar = None if so is None else self.grammars.get(so)
         for seq in parent.seqs:
-            if grammar is None:
+            if so is None:
                 self.scheduler.add_request(seq.request)
             else:  # joins the scheduler once its grammar is compiled (see step)
-                self._grammar_queue.add(seq.request, grammar)
+                self._grammar_queue.add(seq.request, self.grammars.get(so))
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Reject a prompt that can never run; return its output cap (see PromptLimits)."""
@@ -205,6 +210,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit; no-op otherwise)."""
         shutdown_runner(self.runner)
+        self.grammars.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -294,6 +300,10 @@ class LLMEngine:
                     self.scheduler.finish_requests(
                         [req.request_id], SequenceStatus.FINISHED_STOPPED
                     )
+            except GrammarUnsatisfiableError as exc:  # a dead end of the request's constraint
+                touched.pop(seq.parent_id, None)
+                outputs.append(self._reject(seq.parent_id, exc, "structured_outputs"))
+                continue
             except Exception as exc:
                 touched.pop(seq.parent_id, None)
                 outputs.append(self._fail(seq.parent_id, exc))
@@ -315,17 +325,32 @@ class LLMEngine:
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand the sequences whose grammar is compiled to the scheduler; fail those whose
-        compile failed. With nothing else to run, wait briefly for a compile (no spinning)."""
+        compile failed (a constraint that does not compile, or not in time, is the request's
+        own mistake) and end those whose deadline passed while they waited. With nothing
+        else to run, wait briefly for a compile (no spinning)."""
+        now = time.monotonic()
+        self.grammars.poll(now)
         idle = not self.scheduler.has_unfinished_requests()
-        ready, failed = self._grammar_queue.pop_ready(wait_s=0.05 if idle else 0.0)
+        ready, failed, expired = self._grammar_queue.pop_ready(now, wait_s=0.05 if idle else 0.0)
         for req in ready:
             self.scheduler.add_request(req)
         outputs = []
         for req, exc in failed:
             req.status = SequenceStatus.FINISHED_ABORTED
             seq = self._seqs.get(req.request_id)
-            if seq is not None:  # None: it failed through a sibling sequence already
+            if seq is None:  # it failed through a sibling sequence already
+                continue
+            if isinstance(exc, ValueError):
+                outputs.append(self._reject(seq.parent_id, exc, "structured_outputs"))
+            else:
                 outputs.append(self._fail(seq.parent_id, exc))
+        for req in expired:
+            req.status = SequenceStatus.FINISHED_ABORTED
+            req.abort_reason = (
+                f"deadline exceeded: not finished {req.sampling_params.deadline:g} s after "
+                "arrival (its grammar was still compiling)"
+            )
+        outputs += self._report_finished_by_scheduler([r.request_id for r in expired])
         return outputs
 
     def _report_finished_by_scheduler(self, finished_ids: list[str]) -> list[RequestOutput]:
@@ -353,6 +378,20 @@ class LLMEngine:
         logger.error("Sequence %s failed; the engine goes on without it.", request_id, exc_info=exc)
         (out,) = self.abort_request(request_id)
         out.error = f"The engine failed while running this request ({type(exc).__name__})."
+        return out
+
+    def _reject(self, request_id: str, exc: BaseException, param: str) -> RequestOutput:
+        """Fail one request for a mistake of its own (`param` names the field): abort it,
+        free its blocks, forget it.
+
+        Returns:
+            its final output (finish_reason "abort"), `error` and `error_param` set.
+        """
+        logger.info("Request %s refused: %s", request_id, exc)
+        (out,) = self.abort_request(request_id)
+        out.error, out.error_param = str(exc), param
+        for c in out.outputs:  # a stop token may have ended it in the step that failed it
+            c.finish_reason = "abort"
         return out
 
     def _forget(self, parent: RequestState) -> None:

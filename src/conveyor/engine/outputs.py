@@ -51,7 +51,8 @@ class RequestOutput:
     `outputs` hold cumulative text and tokens, or only what is new since the request's
     previous output for a request added with `delta=True` (AsyncLLM); `finished` turns True
     once every one of the n sequences has ended. `error` is set when the request failed
-    inside the engine.
+    inside the engine; `error_param` too when that was its own mistake (the field at fault,
+    e.g. "structured_outputs" for a grammar that did not compile in time).
     """
 
     request_id: str
@@ -67,6 +68,7 @@ class RequestOutput:
     # vLLM's prompt_logprobs: None for the first prompt token, then each token's entry; set in
     # the first output after the prompt was computed (in every later one too unless delta).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error_param: str | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a later delta output of the same request into this one (like vLLM's `add`).
@@ -97,6 +99,7 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
         self.finished = delta.finished
         self.error = delta.error
+        self.error_param = delta.error_param
         self.metrics = delta.metrics
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:

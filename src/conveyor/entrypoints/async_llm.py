@@ -47,6 +47,7 @@ from conveyor.entrypoints.request_stream import (
     EngineNotRunningError,
     EngineOverloadedError,
     RequestFailedError,
+    RequestRejectedError,
     RequestStream,
 )
 from conveyor.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ __all__ = [
     "EngineOverloadedError",
     "PromptError",
     "RequestFailedError",
+    "RequestRejectedError",
 ]
 
 logger = logging.getLogger(__name__)

@@ -32,6 +32,15 @@ class RequestFailedError(RuntimeError):
     a non-finite logit, a detokenizer or stop-check error); HTTP 500."""
 
 
+class RequestRejectedError(ValueError):
+    """The engine refused the request for a mistake of its own, found only once it ran (a
+    grammar that did not compile in time, or allows no output); HTTP 400 naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(slots=True, eq=False)
 class RequestStream:
     """The delta outputs of one request on their way from the engine loop to the caller.
@@ -62,6 +71,7 @@ class RequestStream:
 
         Raises:
             RequestFailedError: the engine failed this request.
+            RequestRejectedError: the engine refused it for its own mistake.
             EngineNotRunningError: the engine stopped.
         """
         done = False
@@ -86,6 +96,8 @@ class RequestStream:
                     raise item
                 if item.error is not None:
                     done = True
+                    if item.error_param is not None:
+                        raise RequestRejectedError(item.error, item.error_param)
                     raise RequestFailedError(item.error)
                 done = item.finished
                 yield item

@@ -29,7 +29,12 @@ from conveyor.server.responses import (
 )
 from conveyor.server.sse import ChatChunks
 from conveyor.server.streaming import sse_response
-from conveyor.server.structured import checked_structured_outputs
+from conveyor.server.structured import (
+    checked_structured_outputs,
+    checked_tool_constraint,
+    relabeled,
+    requested_structured_outputs,
+)
 from conveyor.server.tool_parsers import ToolCall
 from conveyor.server.tools import ToolSetup, tool_call_dict, tool_setup
 
@@ -55,16 +60,16 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         max_tokens = req.max_tokens
     params = ctx.with_timeout(req.sampling_params(max_tokens, top))
     tools = tool_setup(req.tools, req.tool_choice, ctx.tool_call_parser)
-    structured = await checked_structured_outputs(req)
-    forced = None if tools is None else tools.constraint()
-    if forced is not None:
-        if structured is not None:
+    if tools is not None and tools.mode in ("named", "required"):
+        if requested_structured_outputs(req)[0] is not None:
             raise APIError(
                 "A required or named tool_choice constrains the output itself: send no "
                 "response_format or structured_outputs with it.",
                 param="tool_choice",
             )
-        structured = forced
+        structured, param = await checked_tool_constraint(tools), "tools"
+    else:
+        structured, param = await checked_structured_outputs(req)
     if structured is not None:
         params = dataclasses.replace(params, structured_outputs=structured)
     ctx.check_size(params.n)  # before the template runs
@@ -78,7 +83,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_fits(prompt_ids, params, "messages")
     ctx.admit(params.n)
     request_id = random_id("chatcmpl")
-    stream = ctx.engine.generate(prompt_ids, params, request_id)
+    stream = relabeled(ctx.engine.generate(prompt_ids, params, request_id), param)
     if req.stream:
         include_usage, continuous_usage = usage_flags(req.stream_options)
         events = _stream(

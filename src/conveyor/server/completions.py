@@ -25,7 +25,7 @@ from conveyor.server.responses import (
 )
 from conveyor.server.sse import CompletionChunks
 from conveyor.server.streaming import merge_streams, sse_response
-from conveyor.server.structured import checked_structured_outputs
+from conveyor.server.structured import checked_structured_outputs, relabeled
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Response:
@@ -49,7 +49,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
             "send them with stream false.",
             param="prompt_logprobs" if req.prompt_logprobs is not None else "echo",
         )
-    structured = await checked_structured_outputs(req)
+    structured, param = await checked_structured_outputs(req)
     if structured is not None:
         params = dataclasses.replace(params, structured_outputs=structured)
     engine = ctx.engine
@@ -68,7 +68,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
     ctx.admit(params.n, len(prompts))
     request_id = random_id("cmpl")
     streams = [
-        engine.generate(p, params, f"{request_id}-{i}", prompt_token_ids=ids)
+        relabeled(engine.generate(p, params, f"{request_id}-{i}", prompt_token_ids=ids), param)
         for i, (p, ids) in enumerate(zip(prompts, prompt_ids, strict=True))
     ]
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids)

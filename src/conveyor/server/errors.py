@@ -3,6 +3,7 @@
     pydantic RequestValidationError (422), malformed JSON  -> 400 BadRequestError, param = field
     a body nested too deep (server/body_depth.py)           -> 400, param = field
     APIError / ValueError (SamplingParams, engine checks)  -> 400 (or the APIError's status)
+    RequestRejectedError (the engine refused it, e.g. a grammar too slow to compile) -> 400
     unknown route / method                                  -> 404 / 405
     body over max_request_body_bytes (server/admission.py)  -> 413
     headers over max_header_bytes (server/http_limits.py)   -> 431
@@ -29,6 +30,7 @@ from conveyor.entrypoints.async_llm import (
     EngineNotRunningError,
     EngineOverloadedError,
     RequestFailedError,
+    RequestRejectedError,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,8 @@ def classify(exc: BaseException, log: bool = True) -> tuple[int, str, str | None
     """Map an exception to (status, message, param); unexpected ones are logged if `log`."""
     if isinstance(exc, APIError):
         return exc.status, exc.message, exc.param
+    if isinstance(exc, RequestRejectedError):
+        return 400, str(exc), exc.param
     if isinstance(exc, ValueError):
         return 400, str(exc), None
     if isinstance(exc, (EngineNotRunningError, EngineOverloadedError)):

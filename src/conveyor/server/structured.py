@@ -6,19 +6,28 @@
                          (+ disable_any_whitespace)
     guided_json, guided_regex, guided_choice, guided_grammar   vLLM's older names
 
-At most one of them may be set. The constraint is checked (turned into an xgrammar grammar,
-off the event loop) before the request is queued: one that cannot compile is a 400 naming the
-field it came from. OpenAI's `"strict": true` is accepted and optional fields stay optional,
-as vLLM does.
+At most one of them may be set. The constraint is checked before the request is queued
+(structured_limits.py's limits, then turned into an xgrammar grammar, in the schema pool off
+the event loop): one that is over a limit, cannot compile, cannot be enforced or allows no
+output is a 400 naming the field it came from. A required or named tool_choice's schemas get
+the same checks (a 400 naming `tools`). What only the engine finds (a compile past its time
+limit, a dead end of the grammar) comes back as a RequestRejectedError, relabelled here with
+the request's own field. OpenAI's `"strict": true` is accepted and optional fields stay
+optional, as vLLM does.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
-from conveyor.engine.grammar import GrammarError, check_structured_outputs
+from conveyor.engine.grammar import check_structured_outputs
+from conveyor.engine.outputs import RequestOutput
+from conveyor.entrypoints.async_llm import RequestRejectedError
 from conveyor.server.errors import APIError
-from conveyor.server.offload import off_loop
+from conveyor.server.offload import off_loop, schema_pool
+from conveyor.server.tools import ToolSetup
+from conveyor.structured_limits import check_constraint
 from conveyor.structured_outputs import StructuredOutputsParams
 
 _GUIDED = {
@@ -76,17 +85,77 @@ def requested_structured_outputs(req: Any) -> tuple[StructuredOutputsParams | No
     return found[0] if found else (None, None)
 
 
-async def checked_structured_outputs(req: Any) -> StructuredOutputsParams | None:
-    """`requested_structured_outputs`, compiled to a grammar off the loop to check it.
+async def checked_structured_outputs(
+    req: Any,
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """`requested_structured_outputs`, checked in the schema pool (see the module docstring).
 
     Raises:
-        APIError: as requested_structured_outputs, or a constraint that cannot compile.
+        APIError: as requested_structured_outputs, or a constraint refused by the checks.
     """
     so, param = requested_structured_outputs(req)
     if so is None:
-        return None
+        return None, None
     try:
-        await off_loop(check_structured_outputs, so)
-    except GrammarError as exc:
+        await off_loop(check_structured_outputs, so, pool=schema_pool())
+    except ValueError as exc:
         raise APIError(str(exc), param=param) from exc
-    return so
+    return so, param
+
+
+async def checked_tool_constraint(tools: ToolSetup | None) -> StructuredOutputsParams | None:
+    """The constraint of a required or named tool_choice, its schemas checked like
+    response_format's (None for the other modes, whose schemas only reach the template).
+
+    Raises:
+        APIError: a tool's parameters refused by the checks (400 naming `tools`).
+    """
+    if tools is None or tools.mode not in ("named", "required"):
+        return None
+    names = list(tools.parameters)
+    used = [str(tools.named)] if tools.mode == "named" else names
+    try:
+        checks = [
+            (StructuredOutputsParams(json=tools.parameters[name]),
+             f"tools[{names.index(name)}].function.parameters")
+            for name in used
+        ]  # fmt: skip
+        forced = tools.constraint()
+        assert forced is not None  # named and required always constrain
+        await off_loop(_check_tools, checks, forced, pool=schema_pool())
+    except ValueError as exc:
+        raise APIError(str(exc), param="tools") from exc
+    return forced
+
+
+def _check_tools(
+    checks: list[tuple[StructuredOutputsParams, str]], forced: StructuredOutputsParams
+) -> None:
+    """Each tool's schema in full; the tools together (required) against the limits only."""
+    for so, where in checks:
+        check_structured_outputs(so, where)
+    check_constraint(*forced.key[:2], "tools (all of them together)")
+
+
+def relabeled(
+    stream: AsyncIterator[RequestOutput], param: str | None
+) -> AsyncIterator[RequestOutput]:
+    """`stream`, with a RequestRejectedError of its constraint naming the request's `param`
+    (the engine knows only "structured_outputs"). Closing it closes `stream` (an abort)."""
+    if param is None:
+        return stream
+
+    async def outputs() -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in stream:
+                yield out
+        except RequestRejectedError as exc:
+            if exc.param != "structured_outputs":
+                raise
+            raise RequestRejectedError(str(exc), param) from None
+        finally:
+            close = getattr(stream, "aclose", None)  # an async generator's
+            if close is not None:
+                await close()
+
+    return outputs()
