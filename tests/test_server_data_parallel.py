@@ -304,7 +304,7 @@ def test_a_replica_that_misses_its_heartbeat_is_restarted_and_so_is_watched_agai
     """Before: a stopped replica was never noticed while it held no request."""
     args = ["--model", str(demo_model_dir), "--data-parallel-size", "2"]
     args += ["--num-kv-blocks", "128", "--max-replica-restarts", "1"]
-    server = start_server([*args, "--engine-heartbeat-timeout", "2"], tmp_path)
+    server = start_server([*args, "--engine-heartbeat-timeout", "3"], tmp_path)
     stopped: list[int] = []
     try:
         pids = _replica_pids(server)
