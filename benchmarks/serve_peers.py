@@ -39,8 +39,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from conveyor.bench import serve as bench_serve
 from conveyor.bench.serve import BenchRequest
 from conveyor.bench.sibling import load_sibling
@@ -102,18 +100,12 @@ def side_command(template: str, args: argparse.Namespace, streams: int, port: in
 def _start(command: list[str], log: Path, url: str, timeout_s: float) -> subprocess.Popen:
     with log.open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{command[0]} exited {proc.returncode}:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"{command[0]} did not become healthy in {timeout_s} s")
+    try:
+        serve_bench.wait_healthy(proc, url, timeout_s)
+    except RuntimeError as exc:
+        proc.kill()
+        raise RuntimeError(f"{command[0]}: {exc}\n{log.read_text()[-2000:]}") from None
+    return proc
 
 
 def run_side(name: str, template: str, args: argparse.Namespace, streams: int, seed: int) -> dict:

@@ -55,22 +55,24 @@ static inline float half_to_float(uint16_t h)
 
 #ifdef CONVEYOR_AVX2
 
-/* Eight int32 sums, lane i over bytes 4i..4i+3 of u (unsigned) times s (signed). */
-static inline __m256i dot_u8_s8(__m256i u, __m256i s)
+/* acc plus eight int32 sums, lane i over bytes 4i..4i+3 of u (unsigned) times s (signed):
+ * VNNI's dpbusd, or maddubs (int16 pairs) and madd. */
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s)
 {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
 #endif
 }
 
-static inline float hsum(__m256 v)
+/* Activation quants 4 g .. 4 g + 3 in every lane. */
+static inline __m256i quad(const int8_t *q, int g)
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    int32_t v;
+    memcpy(&v, q + 4 * g, 4);
+    return _mm256_set1_epi32(v);
 }
 
 #endif

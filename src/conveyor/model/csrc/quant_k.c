@@ -114,23 +114,6 @@ void quant_k_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float
 
 #if defined(CONVEYOR_AVX2) && defined(__F16C__)
 
-static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s)
-{
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
-                                                   _mm256_set1_epi16(1)));
-#endif
-}
-
-static inline __m256i quad(const int8_t *q, int g)
-{
-    int32_t v;
-    memcpy(&v, q + 4 * g, 4);
-    return _mm256_set1_epi32(v);
-}
-
 static inline __m256 halves8(const uint8_t *p)
 {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));

@@ -34,24 +34,6 @@ static inline int header_bytes(int qtype) { return qtype == Q4_1 ? 32 : 16; }
 
 #if defined(CONVEYOR_AVX2) && defined(__F16C__)
 
-static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s)
-{
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
-                                                   _mm256_set1_epi16(1)));
-#endif
-}
-
-/* Activation quants 4 g .. 4 g + 3 in every lane. */
-static inline __m256i quad(const int8_t *q, int g)
-{
-    int32_t v;
-    memcpy(&v, q + 4 * g, 4);
-    return _mm256_set1_epi32(v);
-}
-
 /* The block's eight integer sums against one activation block's quants. */
 static inline __attribute__((always_inline)) __m256i block_isums(int qtype, const uint8_t *q, const int8_t *qx)
 {
