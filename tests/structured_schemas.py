@@ -86,3 +86,13 @@ SCHEMAS: list[type[BaseModel]] = [
     Person, Customer, Tagged, Paint, Bounded, WithOptionals, Codes, Flags, Order, Meeting,
     Address,
 ]  # fmt: skip
+
+
+def slow_schema(tag: str) -> dict:
+    """A schema that compiles in about a second; `tag` makes each one a new constraint."""
+    objects = {
+        f"o{j}": {"type": "object", "properties": {f"{tag}{i}": {"type": "string"}
+                                                   for i in range(250)}}
+        for j in range(7)
+    }  # fmt: skip
+    return {"type": "object", "properties": objects}

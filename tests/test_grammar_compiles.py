@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from tests.structured_schemas import slow_schema
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.grammar import GrammarTimeoutError
@@ -19,18 +20,8 @@ from conveyor.engine.tokenizer import Tokenizer
 from conveyor.structured_outputs import StructuredOutputsParams
 
 
-def _slow(tag: str) -> dict:
-    """A schema that compiles in about a second; `tag` makes each one a new constraint."""
-    objects = {
-        f"o{j}": {"type": "object", "properties": {f"{tag}{i}": {"type": "string"}
-                                                   for i in range(250)}}
-        for j in range(7)
-    }  # fmt: skip
-    return {"type": "object", "properties": objects}
-
-
 def _so(tag: str) -> StructuredOutputsParams:
-    return StructuredOutputsParams(json=_slow(tag))
+    return StructuredOutputsParams(json=slow_schema(tag))
 
 
 SMALL = StructuredOutputsParams(regex="[0-9]{2}w")

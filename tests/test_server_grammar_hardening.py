@@ -17,18 +17,10 @@ import httpx
 import openai
 import pytest
 from tests.serve_process import start_server
+from tests.structured_schemas import slow_schema
 
 MODEL = "demo"
 ASK = [{"role": "user", "content": "Answer in JSON."}]
-
-
-def _slow(tag: str) -> dict:
-    objects = {
-        f"o{j}": {"type": "object", "properties": {f"{tag}{i}": {"type": "string"}
-                                                   for i in range(250)}}
-        for j in range(7)
-    }  # fmt: skip
-    return {"type": "object", "properties": objects}
 
 
 def _schema(schema: dict) -> dict:
@@ -177,7 +169,7 @@ def test_a_small_regex_is_not_held_up_by_big_schemas(client) -> None:
 
     def big(tag: str) -> None:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
-                                       extra_body=_schema(_slow(tag)))  # fmt: skip
+                                       extra_body=_schema(slow_schema(tag)))  # fmt: skip
 
     def small() -> None:
         resp = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8,
@@ -195,7 +187,7 @@ def test_a_deadline_counts_while_waiting_for_a_grammar(client) -> None:
     """Before: a request with a 2 s deadline queued behind a compile ended after 45 s."""
 
     def big(tag: str, **extra) -> str | None:
-        body = {**_schema(_slow(tag)), **extra}
+        body = {**_schema(slow_schema(tag)), **extra}
         resp = client.chat.completions.create(
             model=MODEL, messages=ASK, max_tokens=2, extra_body=body
         )
@@ -221,7 +213,7 @@ def strict_client(demo_model_dir, tmp_path_factory):
 
 
 def test_a_compile_past_the_time_limit_is_a_400_naming_the_limit(strict_client) -> None:
-    refused = _refused(strict_client, _schema(_slow("strict")))
+    refused = _refused(strict_client, _schema(slow_schema("strict")))
     assert refused["param"] == "response_format"
     assert "grammar_compile_timeout (0.1 s)" in refused["message"]
     # A small constraint still compiles in time, and plain requests are untouched.
