@@ -160,6 +160,7 @@ def load_model(
     attention_backend: str = "auto",
     tp: Any = None,
     keep_quantized: bool = False,
+    linear_dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
     """Load a checkpoint directory into our model, in eval mode on device/dtype.
 
@@ -175,6 +176,10 @@ def load_model(
             (conveyor.parallel.sharding), each read as a narrow view of the file.
         keep_quantized: a GGUF file's weights of QUANT_TYPES stay in their blocks (CPU
             float32 with the C kernels only; elsewhere everything is dequantized).
+        linear_dtype: the dtype of the linears' and the embedding's weights when it differs
+            from `dtype`, the dtype of everything else and of the activations (the CPU
+            bfloat16 path: bf16 weights, packed by linear.CpuLinear, under float32
+            activations). None: `dtype`.
     Returns:
         the model; callers run it under torch.inference_mode().
     Raises:
@@ -198,6 +203,7 @@ def load_model(
     kernels = None
     if gguf_file is not None:
         if keep_quantized and device.type == "cpu" and dtype == torch.float32:
+            # (a bf16 linear_dtype changes only the weights that are not kept quantized)
             kernels = cpu_kernels.load()
         tensors = iter_gguf_tensors(gguf_file, hf_config, keep_quantized=kernels is not None)
     else:
@@ -213,7 +219,7 @@ def load_model(
     try:
         if gguf_file is not None:
             _log_gguf_paths(gguf_file, kernels is not None)
-        _assign_weights(model, tensors, dtype, device, shard, kernels)
+        _assign_weights(model, tensors, dtype, device, shard, kernels, linear_dtype or dtype)
     finally:
         if gguf_file is not None:
             release_gguf()
@@ -221,7 +227,14 @@ def load_model(
     if model.lm_head is None and isinstance(embed, QuantEmbedding):
         model.lm_head = embed.as_linear()  # tied: the head reads the embedding's blocks
     # Parameters are already in place; this moves the buffers (the rope table) along.
-    model = model.to(device=device, dtype=dtype).eval()
+    if linear_dtype in (None, dtype):
+        model = model.to(device=device, dtype=dtype)
+    else:
+        model = model.to(device=device)
+        for buf in model.buffers():  # the rope table, in `dtype`
+            if buf.is_floating_point():
+                buf.data = buf.data.to(dtype)
+    model = model.eval()
     if gguf_file is not None:
         logger.info("GGUF weights in memory: %.1f MiB.", weight_bytes(model) / 2**20)
     return model
@@ -254,9 +267,11 @@ def _assign_weights(
     device: torch.device,
     shard: Shard | None = None,
     kernels: Any = None,
+    linear_dtype: torch.dtype | None = None,
 ) -> None:
     """Map HF names to ours, concatenate packed shards and assign every parameter (only
-    `shard`'s slice of each, when given). A weight whose pieces are all QuantTensors replaces
+    `shard`'s slice of each, when given), those of linears and embeddings in `linear_dtype`
+    (None: `dtype`). A weight whose pieces are all QuantTensors replaces
     its module by a quantized one (with `kernels`); a piece mixed with float ones is
     dequantized.
 
@@ -298,8 +313,11 @@ def _assign_weights(
             views = [v.dequantize() if isinstance(v, QuantTensor) else v for v in views]
         if shard is not None:
             views = [shard.slice(n, v) for (n, _), v in zip(sources, views, strict=True)]
-        tensor = views[0] if len(views) == 1 else _cat_as(views, dtype, device)
-        value = _set_parameter(model, name, expected[name], tensor, dtype, device)
+        owner = model.get_submodule(name.rpartition(".")[0])
+        as_dtype = linear_dtype if isinstance(owner, (nn.Linear, nn.Embedding)) else dtype
+        as_dtype = as_dtype or dtype
+        tensor = views[0] if len(views) == 1 else _cat_as(views, as_dtype, device)
+        value = _set_parameter(model, name, expected[name], tensor, as_dtype, device)
         for (_, source), view in zip(sources, views, strict=True):
             if isinstance(source, MappedTensor) and value.data_ptr() != view.data_ptr():
                 source.release()

@@ -90,8 +90,21 @@ class ModelRunner:
         # The KV cache is sized from config.json alone, so one that cannot fit in memory is
         # refused before the weights load.
         hf_config = read_hf_config(model_path)
-        # "auto": float32 on CPU; on CUDA the checkpoint's float16/bfloat16, else bfloat16.
+        # "auto": see resolve_dtype (CPU: bfloat16 where it has native bf16 dot products).
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        # Before the weights load, so an impossible choice is reported at once.
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
+        # self.dtype is the activations'; the weights and the KV cache may be held narrower.
+        # On CPU our GEMM takes bfloat16 weights under float32 activations, and the attention
+        # kernel a bfloat16 cache: what a decode step streams in half the bytes, every
+        # product and sum in float32.
+        self.weight_dtype = self.kv_dtype = self.dtype  # kv_dtype: unless kv_cache_dtype int8
+        if self.linear_backend == "cpu" and self.dtype == torch.bfloat16:
+            self.dtype = torch.float32
+            logger.info(
+                "dtype bfloat16 on CPU: bfloat16 weights (our GEMM) and KV cache, float32 "
+                "activations."
+            )
         resolve_model_class(hf_config)  # an unsupported architecture is named first
         model_config = ModelConfig.from_hf_config(hf_config)
         context = model_config.max_position_embeddings
@@ -107,7 +120,7 @@ class ModelRunner:
         if tp is not None:  # a rank's cache holds its KV heads only
             model_config = Shard.of(model_config, tp.rank, tp.size).local_config(model_config)
         bytes_per_block = kv_cache_bytes_per_block(
-            model_config, self.block_size, self.dtype, kv_dtype
+            model_config, self.block_size, self.kv_dtype, kv_dtype
         )
         self.kv_cache_space_gb = config.kv_cache_space_gb or (
             DEMO_KV_CACHE_SPACE_GB if config.model is None else DEFAULT_KV_CACHE_SPACE_GB
@@ -129,16 +142,14 @@ class ModelRunner:
         if not profile:
             self._fit_context_to_cache(config)
             self._check_kv_cache_fits(bytes_per_block, config)
-        # Before the weights load, so an impossible choice is reported at once.
-        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         # Our C kernels run the linears: a GGUF file's QUANT_TYPES blocks stay as they are.
         self.model = load_model(
             model_path, self.dtype, self.device, config.attention_backend, tp=tp,
-            keep_quantized=self.linear_backend == "cpu",
+            keep_quantized=self.linear_backend == "cpu", linear_dtype=self.weight_dtype,
         )  # fmt: skip
         set_activation_passes(self.model, config.quant_activation_passes)
         if self.linear_backend in ("onednn", "cpu"):
-            pack_linears(self.model, linear_factory(self.linear_backend))
+            pack_linears(self.model, linear_factory(self.linear_backend, self.weight_dtype))
         # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
         # the rotary embedding and the sampler's argmax; attention_backend "torch" keeps the
         # forward and the sampler in torch.
@@ -170,7 +181,7 @@ class ModelRunner:
         self._check_kv_cache_fits(bytes_per_block, config)  # again: the weights took some
         try:
             self.kv_caches = allocate_kv_caches(
-                self.model.kv_config, self.num_kv_blocks, self.block_size, self.dtype,
+                self.model.kv_config, self.num_kv_blocks, self.block_size, self.kv_dtype,
                 self.device, kv_dtype,
             )  # fmt: skip
         except (RuntimeError, MemoryError) as exc:  # CPU "can't allocate memory", CUDA OOM
@@ -178,7 +189,7 @@ class ModelRunner:
         log_kv_cache(
             self.num_kv_blocks,
             self.block_size,
-            "int8" if kv_dtype == "int8" else str(self.dtype).removeprefix("torch."),
+            "int8" if kv_dtype == "int8" else str(self.kv_dtype).removeprefix("torch."),
             self.num_kv_blocks * bytes_per_block / 2**20,
             self.max_model_len,
         )
