@@ -234,10 +234,7 @@ def load_model(
         for buf in model.buffers():  # the rope table, in `dtype`
             if buf.is_floating_point():
                 buf.data = buf.data.to(dtype)
-    model = model.eval()
-    if gguf_file is not None:
-        logger.info("GGUF weights in memory: %.1f MiB.", weight_bytes(model) / 2**20)
-    return model
+    return model.eval()
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -43,6 +43,7 @@ from conveyor.model.loader import (
     read_hf_config,
     resolve_dtype,
     resolve_model_class,
+    weight_bytes,
 )
 from conveyor.model.logits_guard import FiniteLogitsGuard
 from conveyor.model.prompt_logprobs import PromptRows, prompt_logprobs
@@ -150,6 +151,7 @@ class ModelRunner:
         set_activation_passes(self.model, config.quant_activation_passes)
         if self.linear_backend in ("onednn", "cpu"):
             pack_linears(self.model, linear_factory(self.linear_backend, self.weight_dtype))
+        logger.info("Weights in memory: %.1f MiB.", weight_bytes(self.model) / 2**20)
         # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
         # the rotary embedding and the sampler's argmax; attention_backend "torch" keeps the
         # forward and the sampler in torch.
