@@ -36,18 +36,19 @@ LONG = list(range(3, 3 + 90))  # six chunks
 
 def _write_st_pooling(path: Path, mode: str) -> None:
     """A sentence-transformers layout, as Qwen3-Embedding ships it."""
+    st = "sentence_transformers.models."
     modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ]  # fmt: skip
+        {"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": st + "Normalize"},
+    ]
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir(exist_ok=True)
-    flags = {f"pooling_mode_{m}": False for m in ("cls_token", "mean_tokens", "max_tokens",
-                                                   "mean_sqrt_len_tokens", "weightedmean_tokens",
-                                                   "lasttoken")}  # fmt: skip
-    flags[f"pooling_mode_{mode}"] = True
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **flags}))
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+             "weightedmean_tokens", "lasttoken")  # fmt: skip
+    flags = {f"pooling_mode_{m}": m == mode for m in modes}
+    pooling = {"word_embedding_dimension": 64, **flags}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,8 @@ def _reference(path: Path, prompts: list[list[int]], pooling: str, dims: int | N
 def _close(got, want) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
-        assert torch.allclose(torch.tensor(g), w, atol=TOL, rtol=0), (torch.tensor(g) - w).abs().max()
+        g = torch.tensor(g)
+        assert torch.allclose(g, w, atol=TOL, rtol=0), (g - w).abs().max()
 
 
 PROMPTS = [[5, 6, 7], LONG, list(range(40, 57)), [9]]
@@ -137,7 +139,7 @@ def test_unsupported_pooling_modes_and_bad_settings_are_named(checkpoints, tmp_p
     with pytest.raises(ValueError, match="dimensions is not supported by this model"):
         read_pooling_config(checkpoints["llama"], 64).check_request(8)
     read_pooling_config(checkpoints["llama"], 64).check_request(64)  # its own size is fine
-    with pytest.raises(ValueError, match="dimensions must be an integer >= 1|dimensions must be"):
+    with pytest.raises(ValueError, match="dimensions must be"):
         PoolingParams(dimensions=0)
 
 

@@ -224,10 +224,8 @@ class Scheduler:
             # minus what the prefix cache still holds (their own freed blocks included).
             # Prompt logprobs and mean pooling read every prompt token's row: no cache hits
             # for them. (Last-token pooling takes hits: the last token is always computed.)
-            if req.sampling_params.needs_every_prompt_row:
-                hits = []
-            else:
-                hits = bm.get_computed_blocks(req)
+            every_row = req.sampling_params.needs_every_prompt_row
+            hits = [] if every_row else bm.get_computed_blocks(req)
             num_cached = len(hits) * bm.block_size
             n = num_tokens_to_schedule(req, num_cached, budget)
             if not bm.allocate_slots(req, n, hits):

@@ -95,7 +95,7 @@ def unpack_output(packed: tuple[Any, ...]) -> RequestOutput:
     return RequestOutput(
         request_id, None, [], outputs, finished, error, metrics, num_cached, prompt_lps, param,
         emb,
-    )
+    )  # fmt: skip
 
 
 def picklable(exc: Exception) -> Exception:

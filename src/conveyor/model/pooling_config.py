@@ -4,10 +4,10 @@ sentence-transformers checkpoints (Qwen3-Embedding, gte-Qwen2, e5-mistral ...) s
 `modules.json`, whose `sentence_transformers.models.Pooling` module's folder holds a
 `config.json` with one `pooling_mode_*` flag set:
 
-    modules.json:            [{"path": "", "type": "...Transformer"},
-                              {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-                              {"path": "2_Normalize", "type": "...Normalize"}]
-    1_Pooling/config.json:   {"pooling_mode_lasttoken": true, "pooling_mode_mean_tokens": false, ...}
+    modules.json:           [{"path": "", "type": "...Transformer"},
+                             {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                             {"path": "2_Normalize", "type": "...Normalize"}]
+    1_Pooling/config.json:  {"pooling_mode_lasttoken": true, "pooling_mode_mean_tokens": false}
 
 Without them a decoder pools its last token (vLLM's default for decoder embedding models);
 `EngineConfig.pooling_type` overrides both. Matryoshka (`dimensions`): config.json's

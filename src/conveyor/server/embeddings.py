@@ -80,9 +80,7 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
     return vector
 
 
-def _render(
-    vectors: list[list[float]], encoding_format: str, model: str, num_tokens: int
-) -> bytes:
+def _render(vectors: list[list[float]], encoding_format: str, model: str, num_tokens: int) -> bytes:
     body = {
         "object": "list",
         "data": [
@@ -123,8 +121,7 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest) -> Respon
     inputs = req.inputs()
     if ctx.max_prompts is not None and len(inputs) > ctx.max_prompts:
         raise APIError(
-            f"input must hold at most {ctx.max_prompts} inputs on this server, got "
-            f"{len(inputs)}.",
+            f"input must hold at most {ctx.max_prompts} inputs on this server, got {len(inputs)}.",
             param="input",
         )
     add_special = req.add_special_tokens is not False
