@@ -93,6 +93,16 @@ def _render(vectors: list[list[float]], encoding_format: str, model: str, num_to
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+def _not_computed(index: int, out: RequestOutput) -> APIError:
+    """The error for an input the engine aborted: 408 when its deadline (the server's
+    request_timeout) passed, 503 when the server is shutting down. A generation would end
+    with finish_reason "abort"; an embedding has no partial answer to give."""
+    reason = next((c.abort_reason for c in out.outputs if c.abort_reason), None)
+    status = 408 if reason and reason.startswith("deadline exceeded") else 503
+    message = f"The embedding of input {index} was not computed: {reason or 'aborted'}."
+    return APIError(message, status=status)
+
+
 async def create_embedding(ctx: ServingContext, req: EmbeddingRequest) -> Response:
     """Validate everything, queue one engine request per input, answer with the vectors.
 
@@ -140,13 +150,8 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest) -> Respon
     async for i, out in merge_streams(streams):
         if out.finished:
             vectors[i] = out.embedding
-            if out.embedding is None:  # aborted: the server's timeout, or shutting down
-                reason = next((c.abort_reason for c in out.outputs if c.abort_reason), None)
-                raise APIError(
-                    f"The embedding of input {i} was not computed: "
-                    f"{reason or 'the request was aborted'}.",
-                    status=503,
-                )
+            if out.embedding is None:  # aborted: the request timeout, or shutting down
+                raise _not_computed(i, out)
     done: list[list[float]] = [v for v in vectors if v is not None]
     num_tokens = sum(len(ids) for ids in prompt_ids)
     fmt = req.encoding_format or "float"
