@@ -24,7 +24,7 @@ import transformers
 from tests.hf_checkpoints import write_checkpoint
 from tests.serve_process import start_server
 
-from conveyor import LLM
+from conveyor import LLM, SamplingParams
 from conveyor.engine.config import EngineConfig
 from conveyor.model.pooling_config import read_pooling_config
 from conveyor.pooling_params import PoolingParams
@@ -159,6 +159,29 @@ def test_prefix_cache_serves_last_token_pooling_only(checkpoints) -> None:
             assert (hits() > before) == (pooling == "last")
             assert again[0].outputs.embedding == first[0].outputs.embedding
             _close([again[0].outputs.embedding], _reference(path, [LONG], pooling))
+
+
+def test_preempted_embedding_requests_recompute_the_same_vector(checkpoints) -> None:
+    """A cache too small for a generation and an embedding together preempts (recompute):
+    the mean's sum starts afresh, and both pooling types still match transformers."""
+    path = checkpoints["qwen2"]
+    with LLM(str(path), max_num_batched_tokens=CHUNK, num_kv_blocks=7) as llm:
+        engine = llm.llm_engine
+        greedy = SamplingParams(max_tokens=70, ignore_eos=True, temperature=0)
+        engine.add_request("gen", list(range(5, 35)), greedy)
+        for pooling in ("mean", "last"):
+            params = SamplingParams(max_tokens=1, pooling=PoolingParams(pooling_type=pooling))
+            engine.add_request(pooling, LONG, params)
+        seqs = {rid: engine._seqs[rid].request for rid in ("gen", "mean", "last")}
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert seqs["mean"].num_preemptions > 0  # the latest admitted: the victim
+        assert len(finals["gen"].outputs[0].token_ids) == 70
+        for pooling in ("mean", "last"):
+            assert finals[pooling].outputs[0].finish_reason == "stop"
+            assert finals[pooling].outputs[0].token_ids == []
+            _close([finals[pooling].embedding], _reference(path, [LONG], pooling))
 
 
 # ---------------------------------------------------------------- the HTTP server
