@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from tests.hf_checkpoints import write_checkpoint
-from tests.serve_process import start_server
+from tests.serve_process import metric_value, start_server
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.config import EngineConfig
@@ -216,8 +216,14 @@ def test_server_embeddings_match_transformers_in_every_input_shape(
     assert len(ids[1]) > 2 * CHUNK
     want = _reference(path, ids, "last")  # the checkpoint's sentence-transformers pooling
 
+    def prompt_tokens() -> float:
+        text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+        return metric_value(text, "conveyor:prompt_tokens_total")
+
+    before = prompt_tokens()
     # The official client asks for base64 by default and decodes it.
     res = client.embeddings.create(model="emb", input=texts)
+    assert prompt_tokens() - before == sum(map(len, ids))
     assert res.object == "list" and res.model == "emb"
     assert [d.index for d in res.data] == [0, 1, 2] and res.data[0].object == "embedding"
     _close([d.embedding for d in res.data], want)
