@@ -24,10 +24,9 @@ import transformers
 from tests.hf_checkpoints import write_checkpoint
 from tests.serve_process import metric_value, start_server
 
-from conveyor import LLM, SamplingParams
+from conveyor import LLM, PoolingParams, SamplingParams
 from conveyor.engine.config import EngineConfig
 from conveyor.model.pooling_config import read_pooling_config
-from conveyor.pooling_params import PoolingParams
 
 TOL = 2e-5
 CHUNK = 16  # max_num_batched_tokens: prompts longer than this span several steps
