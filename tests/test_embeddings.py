@@ -125,6 +125,18 @@ def test_sentence_transformers_config_and_matryoshka_dimensions(checkpoints) -> 
         _close([o.outputs.embedding for o in outs], _reference(path, PROMPTS[:2], "last"))
 
 
+def test_a_bare_decoder_checkpoint_saved_from_automodel_loads(checkpoints, tmp_path) -> None:
+    """Embedding checkpoints are often a bare decoder (`Qwen2Model`: no head, no `model.`
+    prefix on the weight names), as Qwen3-Embedding ships; they load and embed the same."""
+    bare = tmp_path / "bare"
+    transformers.AutoModel.from_pretrained(checkpoints["qwen2"]).save_pretrained(bare)
+    transformers.AutoTokenizer.from_pretrained(checkpoints["qwen2"]).save_pretrained(bare)
+    assert json.loads((bare / "config.json").read_text())["architectures"] == ["Qwen2Model"]
+    with LLM(str(bare), max_num_batched_tokens=CHUNK, num_kv_blocks=64) as llm:
+        outs = llm.embed(PROMPTS, use_tqdm=False)
+    _close([o.outputs.embedding for o in outs], _reference(checkpoints["qwen2"], PROMPTS, "last"))
+
+
 def test_unsupported_pooling_modes_and_bad_settings_are_named(checkpoints, tmp_path) -> None:
     cls_ckpt = tmp_path / "cls"
     shutil.copytree(checkpoints["llama"], cls_ckpt)
