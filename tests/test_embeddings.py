@@ -27,6 +27,7 @@ from tests.serve_process import metric_value, start_server
 from conveyor import LLM, PoolingParams, SamplingParams
 from conveyor.engine.config import EngineConfig
 from conveyor.model.pooling_config import read_pooling_config
+from conveyor.server.config import build_serve_config
 
 TOL = 2e-5
 CHUNK = 16  # max_num_batched_tokens: prompts longer than this span several steps
@@ -147,6 +148,8 @@ def test_unsupported_pooling_modes_and_bad_settings_are_named(checkpoints, tmp_p
     assert read_pooling_config(cls_ckpt, 64, override="mean").pooling_type == "mean"
     with pytest.raises(ValueError, match="pooling_type must be one of last, mean"):
         EngineConfig(pooling_type="cls")
+    engine_config, _ = build_serve_config(None, {"model": str(cls_ckpt), "pooling_type": "mean"})
+    assert engine_config.pooling_type == "mean"  # --pooling-type / a config file's key
     with pytest.raises(ValueError, match="dimensions is not supported by this model"):
         read_pooling_config(checkpoints["llama"], 64).check_request(8)
     read_pooling_config(checkpoints["llama"], 64).check_request(64)  # its own size is fine
