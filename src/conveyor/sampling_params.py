@@ -10,6 +10,7 @@ import hashlib
 import struct
 from dataclasses import dataclass, field
 
+from conveyor.pooling_params import PoolingParams
 from conveyor.structured_outputs import StructuredOutputsParams
 from conveyor.validation import check_int, check_number
 
@@ -83,6 +84,10 @@ class SamplingParams:
     its own stream, seeded with `sample_seed(seed, i)`. `cache_salt` (vLLM's): requests with
     different salts never share prefix-cache blocks (the salt enters the hash of the first
     block), so one client cannot tell from cached tokens or timing what another one sent.
+
+    `pooling` (a PoolingParams, or a dict of its fields) makes it an embedding request: its
+    prompt runs, nothing is sampled, and its output carries the pooled vector
+    (`RequestOutput.embedding`); it takes n = 1 and no prompt logprobs or output constraint.
     """
 
     n: int = 1
@@ -109,6 +114,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
+    pooling: PoolingParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -126,6 +132,8 @@ class SamplingParams:
             )
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if isinstance(self.pooling, dict):
+            self.pooling = PoolingParams(**self.pooling)
         self._verify()
 
     def _verify(self) -> None:
@@ -192,6 +200,34 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
+        self._verify_pooling()
+
+    def _verify_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        if not isinstance(self.pooling, PoolingParams):
+            raise ValueError(
+                "pooling must be a PoolingParams or a dict of its fields, "
+                f"got {type(self.pooling).__name__}."
+            )
+        for name, value, none in (
+            ("n", self.n, 1),
+            ("prompt_logprobs", self.prompt_logprobs, None),
+            ("structured_outputs", self.structured_outputs, None),
+        ):
+            if value != none:
+                raise ValueError(
+                    f"{name} must be {none} for an embedding (pooling) request, got {value!r:.80}."
+                )
+
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Every prompt token's row is read (prompt logprobs, mean pooling), so the prefix
+        cache's hits, whose rows are never computed, cannot stand in for any of them."""
+        pooling = self.pooling
+        return self.prompt_logprobs is not None or (
+            pooling is not None and pooling.pooling_type == "mean"
+        )
 
     def _verify_logit_bias(self) -> None:
         bias = self.logit_bias

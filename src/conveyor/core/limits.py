@@ -1,7 +1,8 @@
 """What a prompt must fit, checked in one place with one message per failure.
 
 `PromptLimits.check` is the whole rule: a non-empty prompt of valid token ids that leaves room
-for output in the model's context and fits, with its output, in the whole KV cache.
+for output in the model's context and fits, with its output, in the whole KV cache (an
+embedding request, which samples nothing, may fill the whole context).
 `LLMEngine`, `LLM` and `AsyncLLM` call it before queueing; the HTTP server calls it with
 `strict=True` and turns the error into a 400 naming `PromptError.param`. The scheduler calls
 `check_kv_fits`, the part it can judge from a Sequence alone: a request that never fits the
@@ -102,6 +103,14 @@ class PromptLimits:
                 )
         n, limit = len(prompt_ids), self.max_model_len
         context = f"This model's maximum context length is {limit} tokens."
+        if params.pooling is not None:  # an embedding: the prompt alone, nothing sampled
+            if n > limit:
+                raise PromptError(
+                    f"{context} However, you requested {n} tokens in the input for embedding "
+                    "generation. Please reduce the length of the input."
+                )
+            check_kv_fits(n, 1, self.kv_capacity)
+            return 1
         if n >= limit:
             raise PromptError(
                 f"{context} However, your prompt has {n} tokens, leaving no room for output."

@@ -8,6 +8,9 @@ then every parameter is assigned from the checkpoint, converted to the target dt
     model.layers.N.self_attn.{q,k,v}_proj.*   model.layers.N.self_attn.qkv_proj.*  (cat dim 0)
     model.layers.N.mlp.{gate,up}_proj.*       model.layers.N.mlp.gate_up_proj.*    (cat dim 0)
     lm_head.weight                            lm_head.weight, or absent when tied
+    layers.N... / embed_tokens.* / norm.*     model.layers.N... (a bare decoder saved without
+                                              its head, e.g. `LlamaModel` / `Qwen3Model`, as
+                                              embedding checkpoints such as Qwen3-Embedding are)
     everything else                           same name
 
 A GGUF file (model/gguf_loader.py) goes through the same path: its metadata becomes the
@@ -65,6 +68,11 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # The bare decoders (no head): embedding checkpoints saved from AutoModel.
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": MistralForCausalLM,
+    "Qwen2Model": Qwen2ForCausalLM,
+    "Qwen3Model": Qwen3ForCausalLM,
 }
 
 # The one name -> dtype table: EngineConfig's dtype names, "auto" aside (resolve_dtype).
@@ -286,6 +294,8 @@ def _assign_weights(
     for name, item in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
             continue
+        if not name.startswith(("model.", "lm_head.")):  # a bare decoder's names
+            name = f"model.{name}"
         parts = name.split(".")
         sources = [(name, item)]
         if len(parts) >= 2 and parts[-2] in packed:

@@ -12,6 +12,8 @@ model once, prefill chunks and decode tokens together:
 
 Only requests whose step reaches the end of their known tokens are sampled (A is sampled only
 if position 7 is its last token); their logits are computed at the last row of their chunk.
+Embedding requests (`sampling_params.pooling`) are never sampled: their chunks' rows go to
+the pooler (model/pooler.py), which returns a vector once the prompt's last chunk ran.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from conveyor.model.loader import (
     weight_bytes,
 )
 from conveyor.model.logits_guard import FiniteLogitsGuard
+from conveyor.model.pooler import Pooler, PoolRows
 from conveyor.model.prompt_logprobs import PromptRows, prompt_logprobs
 from conveyor.model.quant_linear import set_activation_passes
 from conveyor.model.sampler import Sampler, SamplerOutput
@@ -53,6 +56,14 @@ from conveyor.parallel.group import StepBatch, TPGroup
 from conveyor.parallel.sharding import Shard
 
 logger = logging.getLogger(__name__)
+
+# What a step returns: sampled requests, their SamplerOutput, prompt logprobs, embeddings.
+StepResult = tuple[
+    list[Sequence],
+    SamplerOutput | None,
+    dict[str, list[tuple[int, TokenLogprobs]]],
+    dict[str, list[float]],
+]
 
 DEFAULT_KV_CACHE_SPACE_GB = 1.0
 # The demo model is tiny: 128 MiB holds 2048 blocks (32k tokens), plenty for trying it out.
@@ -198,6 +209,7 @@ class ModelRunner:
         if tp is None or tp.rank == 0:  # only rank 0 samples
             sampler = Sampler(self.vocab_size, config.seed, self.device, argmax)
             self.sampler = FiniteLogitsGuard(sampler)
+            self.pooler = Pooler()
 
     def _fit_context_to_cache(self, config: EngineConfig) -> None:
         """As vLLM: the effective max_model_len is the model's context capped by what the KV
@@ -241,42 +253,46 @@ class ModelRunner:
     def remove_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self.sampler.remove_requests(request_ids)
+            self.pooler.remove(request_ids)
 
     @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput
-    ) -> tuple[list[Sequence], SamplerOutput | None, dict[str, list[tuple[int, TokenLogprobs]]]]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step.
 
         Returns:
             the requests that were sampled (in row order), the sampler's output for them
-            (None when no request reached the end of its tokens this step), and the prompt
-            logprobs this step's rows gave: request id -> [(prompt position, TokenLogprobs)].
+            (None when no request reached the end of its tokens this step), the prompt
+            logprobs this step's rows gave (request id -> [(prompt position, TokenLogprobs)])
+            and the embeddings of the embedding requests whose prompt ended in this step
+            (request id -> vector).
         """
         if self.tp is not None:
             return self.tp.guard(self._execute, out)
         return self._execute(out)
 
-    def _execute(
-        self, out: SchedulerOutput
-    ) -> tuple[list[Sequence], SamplerOutput | None, dict[str, list[tuple[int, TokenLogprobs]]]]:
-        input_ids, meta, sample_rows, sampled, prompt_rows = self._prepare(out)
+    def _execute(self, out: SchedulerOutput) -> StepResult:
+        input_ids, meta, sample_rows, sampled, prompt_rows, pool_rows = self._prepare(out)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         prompt_lps = prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else {}
-        if not sampled:  # a pure prefill-chunk step: it wrote the K/V
-            return [], None, prompt_lps
+        embeddings = self.pooler(hidden, pool_rows) if pool_rows else {}
+        if not sampled:  # a pure prefill-chunk (or embedding) step: it wrote the K/V
+            return [], None, prompt_lps, embeddings
         logits = self.model.compute_logits(hidden[sample_rows])
-        return sampled, self.sampler(logits, sampled), prompt_lps
+        return sampled, self.sampler(logits, sampled), prompt_lps, embeddings
 
     def _prepare(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence], list[PromptRows]]:
+    ) -> tuple[
+        torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence], list[PromptRows],
+        list[PoolRows],
+    ]:  # fmt: skip
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sampled: list[Sequence] = []
         sample_rows: list[int] = []
         prompt_rows: list[PromptRows] = []
+        pool_rows: list[PoolRows] = []
         tables = []
         row = 0
         for req in out.scheduled:
@@ -291,6 +307,10 @@ class ModelRunner:
             last = min(end, req.num_prompt_tokens - 1)
             if req.sampling_params.prompt_logprobs is not None and start < last:
                 prompt_rows.append((req, start + 1, row, last - start))
+            if req.sampling_params.pooling is not None:  # pooled, never sampled
+                pool_rows.append((req, row, n, start))
+                row += n
+                continue
             row += n
             if end == req.num_tokens:
                 sampled.append(req)
@@ -304,4 +324,4 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, meta, rows, sampled, prompt_rows
+        return input_ids, meta, rows, sampled, prompt_rows, pool_rows

@@ -1,6 +1,7 @@
 """The FastAPI app: routes, API-key check, lifespan of the engine loop.
 
-    /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize  need a key
+    /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize
+                                  need a key
     /metrics                      needs it too with metrics_require_api_key
     /health, /ping (GET or HEAD: 200 with {"replicas": N, "serving": M}, or 503 when the
     engine is dead, hung, shutting down, or no replica serves),  /version       stay open
@@ -27,6 +28,7 @@ from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.config import ServerConfig
 from conveyor.server.context import ServingContext
+from conveyor.server.embeddings import EmbeddingRequest, create_embedding
 from conveyor.server.errors import APIError, error_body, error_response, install_error_handlers
 from conveyor.server.offload import INLINE_TOKENS, maybe_off_loop
 from conveyor.server.openapi import document_errors_as_400
@@ -127,6 +129,12 @@ def build_app(
         if tenancy is not None:
             body.cache_salt = tenancy.cache_salt(raw.scope["headers"], body.cache_salt)
         return await until_disconnected(raw, create_chat_completion(ctx, body))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        if tenancy is not None:
+            body.cache_salt = tenancy.cache_salt(raw.scope["headers"], body.cache_salt)
+        return await until_disconnected(raw, create_embedding(ctx, body))
 
     @app.get("/v1/models")
     async def models() -> ModelList:
