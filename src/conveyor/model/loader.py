@@ -249,6 +249,9 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (each storage once: a tied head counts once)."""
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
+        if t.is_mkldnn:  # oneDNN's packed weight has no storage to read: its elements
+            seen[id(t)] = t.numel() * t.element_size()
+            continue
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
