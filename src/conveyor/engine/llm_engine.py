@@ -114,7 +114,7 @@ class LLMEngine:
         else:
             prompt_text, prompt_ids = None, list(prompt)
         max_tokens = self.check_prompt(prompt_ids, params)
-        params = self.tokenizer.with_generation_eos(params)
+        params = self.tokenizer.with_bad_words(self.tokenizer.with_generation_eos(params))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = RequestState(
             request_id, prompt_text, prompt_ids, stream, delta, RequestMetrics(arrival)
