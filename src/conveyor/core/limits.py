@@ -24,8 +24,7 @@ class PromptError(ValueError):
 
     `param` is the request field at fault: "prompt", "max_tokens" / "min_tokens" (a strict
     check's output bounds beyond the context), "logit_bias", "allowed_token_ids" or
-    "stop_token_ids". It has a
-    default so the error survives pickling.
+    "stop_token_ids". It has a default so the error survives pickling.
     """
 
     def __init__(self, message: str, param: str = "prompt") -> None:
