@@ -1,4 +1,5 @@
-"""The request fields this server accepts but cannot act on: each an accepted no-op or a 400.
+"""The request fields the server does not simply honour: OpenAI's no-op hints, the refused
+ones, and those only a chat template can act on.
 
 Every field of the request models (server/protocol.py) is one of three kinds, and
 tests/test_request_fields.py checks that each is classified, so none is silently ignored:
@@ -15,6 +16,7 @@ passed to it as template variables) and refused otherwise (add_template_fields b
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -68,7 +70,9 @@ def check_refused(request: Any) -> None:
         value = getattr(request, name)
         if value is None or any(value == v and type(value) is type(v) for v in fine):
             continue
-        raise APIError(f"{name}={value!r:.80} was refused: {why}.", param=name)
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise APIError(f"{name}={shown} was refused: {why}.", param=name)
 
 
 def template_fields(request: Any) -> dict[str, Any]:
@@ -91,7 +95,7 @@ def add_template_fields(fields: dict[str, Any], template_source: str, kwargs: di
     for name, value in fields.items():
         if not re.search(rf"\b{name}\b", template_source):
             raise APIError(
-                f"{name}={value!r} was refused: this model's chat template does not read "
+                f"{name}={json.dumps(value)} was refused: this model's chat template does not read "
                 f"`{name}`, so it would change nothing.",
                 param=name,
             )
