@@ -24,7 +24,7 @@ from tests.serve_process import start_server
 
 from conveyor.model import demo
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
-from conveyor.server.request_fields import NO_OP_HINTS, REFUSED, TEMPLATE_FIELDS
+from conveyor.server.request_fields import CHAT_REFUSED, NO_OP_HINTS, REFUSED, TEMPLATE_FIELDS
 
 # The fields that change the answer, per model (a new field must be added to one of the sets).
 HONOURED_COMMON = {
@@ -37,7 +37,8 @@ HONOURED_COMMON = {
     "truncate_prompt_tokens",
 }  # fmt: skip
 HONOURED = {
-    CompletionRequest: HONOURED_COMMON | {"prompt", "logprobs", "echo", "suffix"},
+    CompletionRequest: HONOURED_COMMON
+    | {"prompt", "logprobs", "echo", "suffix", "add_special_tokens"},
     ChatCompletionRequest: HONOURED_COMMON
     | {
         "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
@@ -57,7 +58,8 @@ _CHAT_ONLY_HINTS = NO_OP_HINTS - {"user"}
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
 def test_every_field_is_honoured_a_hint_or_refused(model) -> None:
     fields = set(model.model_fields)
-    kinds = [HONOURED[model], NO_OP_HINTS, set(REFUSED), set(TEMPLATE_FIELDS)]
+    refused = set(REFUSED) | (set(CHAT_REFUSED) if model is ChatCompletionRequest else set())
+    kinds = [HONOURED[model], NO_OP_HINTS, refused, set(TEMPLATE_FIELDS)]
     unclassified = fields - set().union(*kinds)
     assert not unclassified, f"classify these fields: {sorted(unclassified)}"
     for i, a in enumerate(kinds):
@@ -65,7 +67,7 @@ def test_every_field_is_honoured_a_hint_or_refused(model) -> None:
             assert not (a & b & fields), f"fields in two kinds: {sorted(a & b & fields)}"
     missing = set(typing.get_type_hints(SDK_PARAMS[model])) - fields
     assert not missing, f"OpenAI parameters not declared (so silently ignored): {missing}"
-    stale = set(REFUSED) | NO_OP_HINTS | set(TEMPLATE_FIELDS)
+    stale = set(REFUSED) | set(CHAT_REFUSED) | NO_OP_HINTS | set(TEMPLATE_FIELDS)
     declared = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
     assert stale <= declared, f"classified but declared nowhere: {sorted(stale - declared)}"
 
@@ -139,18 +141,25 @@ REFUSED_VALUES = {
     "guided_whitespace_pattern": " ",
     "structural_tag": "{}",
     "continue_final_message": True,
+    "return_token_ids": True,
+    "kv_transfer_params": {"do_remote_prefill": True},
+    "vllm_xargs": {"a": 1},
+    "mm_processor_kwargs": {"fps": 1},
+    "echo": True,
+    "add_special_tokens": True,
+    "documents": [{"title": "t", "text": "x"}],
 }
 
 
 def test_every_refused_field_has_a_refused_value_here() -> None:
-    assert set(REFUSED_VALUES) == set(REFUSED)
+    assert set(REFUSED_VALUES) == set(REFUSED) | set(CHAT_REFUSED)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED_VALUES))
 def test_refused_fields_are_a_400_naming_them(client, name) -> None:
     message = _refused(lambda: _chat(client, extra_body={name: REFUSED_VALUES[name]}), name)
     assert message.startswith(f"{name}=")
-    if name in CompletionRequest.model_fields:
+    if name in REFUSED and name in CompletionRequest.model_fields:  # both endpoints have it
         body = {name: REFUSED_VALUES[name]}
         call = lambda: client.completions.create(model=NAME, prompt="x", extra_body=body)  # noqa: E731
         _refused(call, name)
@@ -162,6 +171,7 @@ def test_values_that_ask_for_nothing_are_accepted(client) -> None:
         "prompt_cache_retention": "in_memory", "prompt_cache_options": {"mode": "implicit"},
         "parallel_tool_calls": True, "spaces_between_special_tokens": True,
         "return_tokens_as_token_ids": False, "continue_final_message": False,
+        "return_token_ids": False, "echo": False, "add_special_tokens": False,
     }  # fmt: skip
     assert _chat(client, extra_body=fine).choices[0].finish_reason == "length"
 
@@ -267,6 +277,12 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, http) -> None:
         model=NAME, prompt=prompt, max_tokens=1, extra_body={"truncate_prompt_tokens": -1}
     )
     assert kept.usage.prompt_tokens == len(ids)
+    # vLLM's add_special_tokens on completions: tokenized as /tokenize does with the same flag.
+    plain = len(_ids(http, prompt))
+    out = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=1, extra_body={"add_special_tokens": False}
+    )
+    assert out.usage.prompt_tokens == plain
 
 
 def test_cache_salt_is_honoured_on_chat(client) -> None:

@@ -55,7 +55,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
     engine = ctx.engine
     prompts = req.prompts()
     ctx.check_size(params.n, len(prompts))  # before any prompt is tokenized
-    prompt_ids = [await ctx.tokenize_prompt(p) for p in prompts]
+    special = req.add_special_tokens is not False
+    prompt_ids = [await ctx.tokenize_prompt(p, special) for p in prompts]
     whole = [len(ids) for ids in prompt_ids]
     prompt_ids = [ctx.truncated(ids, req.truncate_prompt_tokens) for ids in prompt_ids]
     for ids in prompt_ids:  # every prompt is checked before any is queued

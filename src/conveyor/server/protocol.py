@@ -21,7 +21,7 @@ from pydantic_core import PydanticCustomError
 
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.errors import APIError
-from conveyor.server.request_fields import check_refused
+from conveyor.server.request_fields import CHAT_REFUSED, REFUSED, check_refused
 from conveyor.server.unicode import find_lone_surrogate
 
 Int = Annotated[int, Strict()]
@@ -124,6 +124,10 @@ class _GenerationRequest(OpenAIModel):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: Any = None
+    return_token_ids: Bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @field_validator("response_format")
     @classmethod
@@ -141,7 +145,7 @@ class _GenerationRequest(OpenAIModel):
             )
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError("best_of is not supported: leave it unset or equal to n.", "best_of")
-        check_refused(self)
+        check_refused(self, REFUSED)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys (strings): ASCII decimal digits only
@@ -208,6 +212,7 @@ class CompletionRequest(_GenerationRequest):
     logprobs: Int | None = None
     echo: Bool | None = False
     suffix: str | None = None
+    add_special_tokens: Bool | None = True  # vLLM's: BOS and the like before a text prompt
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -289,6 +294,10 @@ class ChatCompletionRequest(_GenerationRequest):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
     continue_final_message: Bool | None = None
+    # vLLM's chat extras, refused unless they ask for nothing (CHAT_REFUSED).
+    echo: Bool | None = None
+    add_special_tokens: Bool | None = None
+    documents: list[Any] | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -317,6 +326,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check_chat(self) -> None:
         """Chat-only checks, before the template is applied."""
+        check_refused(self, CHAT_REFUSED)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(
                 "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"

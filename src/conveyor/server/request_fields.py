@@ -56,15 +56,30 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_whitespace_pattern": ((), "guided_whitespace_pattern is not supported"),
     "structural_tag": ((), "structural tags are not supported (use structured_outputs)"),
     "continue_final_message": ((False,), "continue_final_message is not supported"),
+    "return_token_ids": ((False,), "return_token_ids is not supported"),
+    "kv_transfer_params": ((), "disaggregated prefill (kv_transfer_params) is not supported"),
+    "vllm_xargs": ((), "vllm_xargs is not supported"),
+    "mm_processor_kwargs": ((), "this server takes text only (mm_processor_kwargs)"),
+}
+
+# Refused on chat completions only: completions honour the fields of the same name.
+CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((False,), "echo is supported on /v1/completions only"),
+    "add_special_tokens": (
+        (False,),
+        "the chat template places the special tokens (add_special_tokens false)",
+    ),
+    "documents": ((), "documents are not supported (put them in the messages)"),
 }
 
 # Request fields passed to the chat template when it reads them (else refused).
 TEMPLATE_FIELDS = ("reasoning_effort", "verbosity")
 
 
-def check_refused(request: Any) -> None:
-    """400 for the first field in REFUSED that asks for something (param: the field)."""
-    for name, (fine, why) in REFUSED.items():
+def check_refused(request: Any, refused: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """400 for the first field in `refused` (REFUSED or CHAT_REFUSED) that the request sets
+    to something that asks for more than nothing (param: the field)."""
+    for name, (fine, why) in refused.items():
         if name not in type(request).model_fields:
             continue
         value = getattr(request, name)
