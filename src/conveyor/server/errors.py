@@ -125,7 +125,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         status, message = exc.status_code, str(exc.detail)
-        where = f"{request.method} {request.url.path}"
+        path = request.url.path
+        where = f"{request.method} {path if len(path) <= 200 else path[:200] + '...'}"
         # The router's own: no route has this path, or none takes this method on it.
         if status == 404 and message == "Not Found":
             message = f"Invalid URL ({where}): this server has no such route."
