@@ -24,8 +24,8 @@ class PromptError(ValueError):
     """A prompt that can never run.
 
     `param` is the request field at fault: "prompt", "max_tokens" / "min_tokens" (a strict
-    check's output bounds beyond the context), "logit_bias" or "stop_token_ids". It has a
-    default so the error survives pickling.
+    check's output bounds beyond the context), "logit_bias", "allowed_token_ids" or
+    "stop_token_ids". It has a default so the error survives pickling.
     """
 
     def __init__(self, message: str, param: str = "prompt") -> None:
@@ -80,7 +80,7 @@ class PromptLimits:
             max_tokens clamped to what the model's context leaves after the prompt.
         Raises:
             PromptError: an empty prompt, a token id outside the vocabulary (in the prompt,
-                logit_bias or stop_token_ids), a prompt that
+                logit_bias, allowed_token_ids or stop_token_ids), a prompt that
                 leaves no room in the context, (strict) a max_tokens beyond the context, or a
                 request larger than the whole KV cache.
         """
@@ -94,6 +94,12 @@ class PromptLimits:
             if t >= vocab:
                 raise PromptError(
                     f"logit_bias keys must be token ids in [0, {vocab}); got {t}.", "logit_bias"
+                )
+        for t in params.allowed_token_ids or ():
+            if t >= vocab:
+                raise PromptError(
+                    f"allowed_token_ids must be token ids in [0, {vocab}); got {t}.",
+                    "allowed_token_ids",
                 )
         for t in params.stop_token_ids:
             if t >= vocab:

@@ -128,7 +128,7 @@ class LLMEngine:
                 pooling = dataclasses.replace(params.pooling, pooling_type=pooling_type)
                 params = dataclasses.replace(params, pooling=pooling)
         max_tokens = self.check_prompt(prompt_ids, params)
-        params = self.tokenizer.with_generation_eos(params)
+        params = self.tokenizer.with_bad_words(self.tokenizer.with_generation_eos(params))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = RequestState(
             request_id, prompt_text, prompt_ids, stream, delta, RequestMetrics(arrival)

@@ -1,7 +1,7 @@
 """The FastAPI app: routes, API-key check, lifespan of the engine loop.
 
-    /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize
-                                  need a key
+    /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /v1/models/{id},
+    /tokenize, /detokenize        need a key
     /metrics                      needs it too with metrics_require_api_key
     /health, /ping (GET or HEAD: 200 with {"replicas": N, "serving": M}, or 503 when the
     engine is dead, hung, shutting down, or no replica serves),  /version       stay open
@@ -143,6 +143,12 @@ def build_app(
         return ModelList(
             data=[ModelCard(id=name, root=root, max_model_len=max_len) for name in ctx.served_names]
         )
+
+    # `:path`: served names may hold slashes ("Org/Model"), as vLLM's often do.
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        ctx.check_model(model_id)  # 404 naming the served ones
+        return ModelCard(id=model_id, root=ctx.model_path, max_model_len=engine.max_model_len)
 
     # HEAD too: load balancers probe with it (the same status and headers, no body).
     @app.api_route("/health", methods=["GET", "HEAD"])
