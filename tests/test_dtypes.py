@@ -21,6 +21,7 @@ from tests.logprobs_close import check_logprobs_close
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.model import cpu_build
 from conveyor.model.linear import CpuLinear
 
 NEAR_TIE = {torch.bfloat16: 0.125, torch.float16: 0.02}
@@ -99,8 +100,25 @@ def test_bfloat16_on_our_gemm_holds_bf16_weights_and_is_close_to_transformers_bf
     assert diverged <= len(prompts) // 2, diverged  # most sequences agree to the end
 
 
-def test_auto_dtype_is_float32_on_cpu_for_a_bfloat16_checkpoint(tmp_path, tiny_tokenizer_dir):
+def test_auto_dtype_is_bfloat16_for_a_bfloat16_checkpoint_where_the_cpu_has_native_bf16(
+    kernels, monkeypatch, tmp_path, tiny_tokenizer_dir
+):
+    if not kernels.linear_vectorized:
+        pytest.skip("the bf16 path's GEMM is the AVX2 kernel")
     path = write_checkpoint(tmp_path / "llama", "llama", tiny_tokenizer_dir, dtype=torch.bfloat16)
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: {"avx2", "fma", "avx512_bf16"})
+    runner = LLM(str(path), num_kv_blocks=16).llm_engine.runner
+    assert (runner.weight_dtype, runner.kv_dtype, runner.dtype) == (
+        torch.bfloat16, torch.bfloat16, torch.float32
+    )  # fmt: skip
+
+
+def test_auto_dtype_is_float32_on_cpu_for_a_bfloat16_checkpoint(
+    monkeypatch, tmp_path, tiny_tokenizer_dir
+):
+    path = write_checkpoint(tmp_path / "llama", "llama", tiny_tokenizer_dir, dtype=torch.bfloat16)
+    # A CPU without native bf16 dot products (on one with them, auto is bfloat16: above).
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: {"avx2", "fma"})
     llm = LLM(str(path), num_kv_blocks=16)
     runner = llm.llm_engine.runner
     assert runner.dtype is torch.float32

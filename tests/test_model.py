@@ -12,6 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from conveyor.model import cpu_build
 from conveyor.model.attention import (
     CpuAttentionBackend,
     TorchAttentionBackend,
@@ -294,11 +295,24 @@ def test_kv_cache_default_fits_the_demo_and_never_exceeds_what_max_num_seqs_can_
     assert ModelRunner(big, str(demo_model_dir)).num_kv_blocks == 2 * 256 // 16
 
 
-def test_resolve_dtype_auto_is_fp32_on_cpu_and_follows_a_half_precision_checkpoint_on_cuda():
+def test_resolve_dtype_auto_on_cpu_is_bf16_for_a_bf16_checkpoint_with_native_bf16_only(
+    monkeypatch,
+):
+    cpu = torch.device("cpu")
+    bf16, fp16 = {"dtype": "bfloat16"}, {"torch_dtype": "float16"}
+    for flags, want in (({"avx2", "fma"}, torch.float32), ({"avx512_bf16"}, torch.bfloat16),
+                        ({"amx_bf16", "avx512f"}, torch.bfloat16)):  # fmt: skip
+        monkeypatch.setattr(cpu_build, "cpu_flags", lambda flags=flags: set(flags))
+        assert resolve_dtype("auto", cpu, bf16) is want
+        # float32 and float16 checkpoints (a quantized GGUF file's "float16"), or none: fp32
+        for other in ({"dtype": "float32"}, fp16, None):
+            assert resolve_dtype("auto", cpu, other) is torch.float32
+        assert resolve_dtype("float32", cpu, bf16) is torch.float32
+
+
+def test_resolve_dtype_auto_follows_a_half_precision_checkpoint_on_cuda():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     bf16 = {"dtype": "bfloat16"}
-    assert resolve_dtype("auto", cpu) is torch.float32
-    assert resolve_dtype("auto", cpu, bf16) is torch.float32
     assert resolve_dtype("auto", cuda) is torch.bfloat16  # EngineConfig.dtype "auto"
     assert resolve_dtype("auto", cuda, {"torch_dtype": "float16"}) is torch.float16
     assert resolve_dtype("auto", cuda, bf16) is torch.bfloat16

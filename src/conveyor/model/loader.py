@@ -36,7 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from conveyor.engine.config import DTYPES
-from conveyor.model import cpu_kernels
+from conveyor.model import cpu_build, cpu_kernels
 from conveyor.model.attention import get_attention_backend
 from conveyor.model.checkpoint import find_gguf_file, read_config_json
 from conveyor.model.gguf_loader import (
@@ -101,15 +101,23 @@ def resolve_model_class(hf_config: dict[str, Any]) -> type[LlamaForCausalLM]:
     )
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 pairs natively (AVX512-BF16 or AMX-BF16)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_build.cpu_flags())
+
+
 def resolve_dtype(
     dtype: torch.dtype | str, device: torch.device, hf_config: dict[str, Any] | None = None
 ) -> torch.dtype:
     """A torch dtype from a dtype or one of `DTYPES`' names.
 
-    "auto" is float32 on CPU (half-precision CPU GEMMs are slow without AMX/AVX512-BF16, and
-    float32 keeps exact parity; "bfloat16" or "float16" select them). On CUDA it follows the
-    checkpoint (`hf_config`'s dtype) when that is float16 or bfloat16, and is bfloat16 for a
-    float32 checkpoint, one that names no dtype, or no `hf_config`. Other devices: float32.
+    "auto" on CPU: bfloat16 for a bfloat16 checkpoint (`hf_config`'s dtype) where the CPU
+    has native bf16 dot products (AVX512-BF16 or AMX-BF16, cpu_has_native_bf16), as vLLM-CPU
+    does; float32 otherwise: for other checkpoints (quantized GGUF files included) and on
+    CPUs without them, and "float32" keeps exact parity anywhere ("bfloat16" selects the CPU
+    bf16 path on any CPU: linear.py). On CUDA it follows the checkpoint when that is float16
+    or bfloat16, and is bfloat16 for a float32 checkpoint, one that names no dtype, or no
+    `hf_config`. Other devices: float32.
 
     Args:
         dtype: a torch dtype (returned as is), "auto", "float32", "float16" or "bfloat16".
@@ -123,9 +131,12 @@ def resolve_dtype(
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
+        name = (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype")
+        if device.type == "cpu":
+            native = name == "bfloat16" and cpu_has_native_bf16()
+            return torch.bfloat16 if native else torch.float32
         if device.type != "cuda":
             return torch.float32
-        name = (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype")
         return _DTYPES[name] if name in ("float16", "bfloat16") else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}.")

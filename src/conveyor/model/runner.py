@@ -104,6 +104,8 @@ class ModelRunner:
         hf_config = read_hf_config(model_path)
         # "auto": see resolve_dtype (CPU: bfloat16 where it has native bf16 dot products).
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        if config.dtype == "auto":
+            logger.info("dtype auto: %s.", str(self.dtype).removeprefix("torch."))
         # Before the weights load, so an impossible choice is reported at once.
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         # self.dtype is the activations'; the weights and the KV cache may be held narrower.
