@@ -218,12 +218,15 @@ class ChatMessage(OpenAIModel):
         As vLLM and transformers pass them: a null or absent content is "" (an assistant
         message with tool_calls has none; templates print `message['content']` as a string),
         and each tool call's `arguments` JSON text is the object it holds (templates render
-        it as a mapping, or with `tojson`).
+        it as a mapping, or with `tojson`); an empty tool_calls list is no calls (templates
+        test `'tool_calls' in message`).
         """
         out = self.model_dump(exclude_none=True)
         out.setdefault("content", "")
         calls = out.get("tool_calls")
-        if isinstance(calls, list):
+        if calls == []:  # a plain answer sent back whole (`"tool_calls": []`, as we answer)
+            del out["tool_calls"]
+        elif isinstance(calls, list):
             out["tool_calls"] = [_template_tool_call(c) for c in calls]
         return out
 
