@@ -140,10 +140,13 @@ def _call_at(s: str, pos: int, keys: tuple[str, ...]) -> tuple[ToolCall, int] | 
     return ToolCall(name[0], text), scan.end
 
 
-def _partial_call(s: str, pos: int, keys: tuple[str, ...], tail: str = "") -> PartialCall | None:
+def _partial_call(
+    s: str, pos: int, keys: tuple[str, ...], tail: str = "", scan: _Scan | None = None
+) -> PartialCall | None:
     """The call at `pos` as far as it is written: its name once complete and the stable part of
-    its arguments (those whose name came before them; a string's arguments wait for the end)."""
-    scan = _scan_object(s, pos)
+    its arguments (those whose name came before them; a string's arguments wait for the end).
+    `scan`: the object at `pos`, when the caller has scanned it already."""
+    scan = scan or _scan_object(s, pos)
     if scan is None:
         return None
     name = scan.members.get("name")
@@ -191,7 +194,7 @@ def _partial_sequence(s: str, pos: int, sep: str, keys: tuple[str, ...]) -> list
     out: list[PartialCall] = []
     while True:
         scan = _scan_object(s, pos)
-        call = _partial_call(s, pos, keys)
+        call = _partial_call(s, pos, keys, scan=scan) if scan is not None else None
         if call is None:
             return out
         out.append(call)
