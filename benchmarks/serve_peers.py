@@ -11,8 +11,8 @@ repeat cached is reused), --output-len tokens out, greedy, ignore_eos, at most S
 flight.
 
 Memory: each server's process tree's resident set (conveyor: its HTTP process and its engine
-process) after a warm-up request and after the run, the larger; for conveyor also its split
-from the start-up log: the weights ("GGUF weights in memory", GGUF files only) and the KV
+process) after a warm-up request and after the run, the larger; for conveyor's sides also the split
+from the start-up log: the weights ("Weights in memory", as packed for the kernels) and the KV
 cache; the rest is the runtime (Python, torch, the tokenizer, buffers).
 
 stdout: one JSON object: per streams count, each side's best and median output tok/s, TPOT
@@ -84,7 +84,7 @@ def tree_rss_mib(pid: int) -> float:
 def conveyor_split(log: str) -> dict[str, float]:
     """Weights and KV MiB from conveyor's start-up log."""
     split = {}
-    if m := re.search(r"GGUF weights in memory: ([\d.]+) MiB", log):
+    if m := re.search(r"Weights in memory: ([\d.]+) MiB", log):
         split["weights_mib"] = float(m.group(1))
     if m := re.search(r"KV cache: .*?\(([\d.]+) MiB\)", log):
         split["kv_mib"] = float(m.group(1))
@@ -93,13 +93,16 @@ def conveyor_split(log: str) -> dict[str, float]:
 
 def side_command(template: str, args: argparse.Namespace, streams: int, port: int) -> list[str]:
     context = max(2048, streams * (2 * args.input_len + args.output_len + 64))
-    fields = {"model": args.model, "port": port, "streams": streams, "context": context}
+    model = str(Path(args.model).resolve())  # servers run in a temporary folder
+    fields = {"model": model, "port": port, "streams": streams, "context": context}
     return [part.format(**fields) for part in shlex.split(template)]
 
 
 def _start(command: list[str], log: Path, url: str, timeout_s: float) -> subprocess.Popen:
+    """The server, started in the log's folder: a peer run from this checkout would import
+    its top-level packages (vLLM's transformers imports any `kernels` package it finds)."""
     with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent)
     try:
         serve_bench.wait_healthy(proc, url, timeout_s)
     except RuntimeError as exc:
@@ -140,8 +143,8 @@ def run_side(name: str, template: str, args: argparse.Namespace, streams: int, s
         "failed": summary["failed_requests"],
         "rss_mib": round(rss, 1),
     }
-    if name == CONVEYOR:
-        split = conveyor_split(text)
+    split = conveyor_split(text)  # any side that is a conveyor server (a bf16 run, say)
+    if split:
         result.update(split)
         if len(split) == 2:
             result["runtime_mib"] = round(rss - split["weights_mib"] - split["kv_mib"], 1)

@@ -3,11 +3,17 @@
 One seeded workload (benchmarks/throughput.py's make_workload: prompts uniform in
 [--min-prompt, --max-prompt], outputs exponential with mean --mean-output clipped to
 [--min-output, --max-output], greedy, ignore_eos) runs through every side. Each side runs
---repeats times, interleaved, and the fastest run counts. vLLM runs only when --vllm-python
-names an interpreter that has vLLM installed: each of its runs is a fresh subprocess of that
-interpreter (VLLM_CPU_KVCACHE_SPACE=2, VLLM_CPU_OMP_THREADS_BIND=0-1) that reads the workload
-as JSON on stdin, warms up on one batch, times LLM.generate over the whole workload and prints
-its seconds and token count as JSON (model loading is not timed on any side).
+--repeats times, interleaved, and the fastest run counts. Every repeat draws fresh prompt token
+ids of the same lengths, the same for every side, and every side warms up on prompts of its
+own: no side reuses work (conveyor's prefix cache, vLLM's), and conveyor's
+`prompt_tokens_from_cache` says per repeat how many prompt tokens it still found cached.
+vLLM runs only when --vllm-python names an interpreter that has vLLM installed: each of its
+runs is a fresh subprocess of that interpreter (VLLM_CPU_KVCACHE_SPACE=2,
+VLLM_CPU_OMP_THREADS_BIND=0-1) that reads the workload as JSON on stdin, warms up on one batch
+of the warm-up prompts, times LLM.generate over the workload and prints its seconds and token
+count as JSON (model loading is not timed on any side). conveyor runs at --dtype (float32 by
+default, vLLM's side here being float32 and eager: matched precision; benchmarks/serve_peers.py
+compares servers at each side's defaults).
 
 The same run also reports, on conveyor's loaded model:
   gemm_floor  every linear of one decode step (each layer's qkv, o, gate_up, down and the
@@ -92,7 +98,8 @@ llm = LLM(model=w["model"], max_num_seqs=n, max_model_len=512, enforce_eager=Tru
           dtype="float32", seed=0)
 prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
 params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in w["out_lens"]]
-llm.generate(prompts[:n], params[:n], use_tqdm=False)  # warm-up
+warm = [TokensPrompt(prompt_token_ids=p) for p in w["warm_up"][:n]]
+llm.generate(warm, params[:n], use_tqdm=False)
 start = time.perf_counter()
 outs = llm.generate(prompts, params, use_tqdm=False)
 seconds = time.perf_counter() - start
@@ -124,14 +131,16 @@ def write_shape(name: str, folder: Path, seed: int) -> Path:
     return folder
 
 
-def vllm_runner(python: str, model: str, prompts, out_lens, batch_size: int, timeout: float):
-    """A function that runs the workload in a fresh vLLM-CPU subprocess; returns seconds."""
+def vllm_runner(python: str, model: str, warm_up, batch_size: int, timeout: float):
+    """A function that runs a workload (prompts, out_lens) in a fresh vLLM-CPU subprocess;
+    returns its seconds (and None for the cache hits, which it does not report)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
-    payload = json.dumps(
-        {"model": model, "max_num_seqs": batch_size, "prompts": prompts, "out_lens": out_lens}
-    )
 
-    def run() -> float:
+    def run(prompts, out_lens) -> tuple[float, None]:
+        payload = json.dumps(
+            {"model": model, "max_num_seqs": batch_size, "prompts": prompts,
+             "out_lens": out_lens, "warm_up": warm_up[0]}
+        )  # fmt: skip
         # -I and a neutral cwd: the repo root must not be on its path (our top-level
         # kernels/ would shadow the `kernels` package transformers probes for).
         proc = subprocess.run(
@@ -156,7 +165,7 @@ def vllm_runner(python: str, model: str, prompts, out_lens, batch_size: int, tim
             raise RuntimeError(
                 f"vLLM produced {found['output_tokens']} tokens, expected {sum(out_lens)}"
             )
-        return float(found["seconds"])
+        return float(found["seconds"]), None
 
     return run
 
@@ -357,6 +366,11 @@ def main(argv: list[str] | None = None) -> dict:
         default="auto",
         help="conveyor's attention backend (auto, cpu, torch); the JSON records it",
     )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="conveyor's dtype (float32: vLLM's here; bfloat16: bf16 weights and KV cache)",
+    )
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
     if args.vllm_python is not None:
@@ -383,48 +397,42 @@ def model_folder(args: argparse.Namespace, prefix: str) -> Iterator[str]:
 
 def _run(args, model: str, progress: bool) -> dict:
     vocab = transformers.AutoConfig.from_pretrained(model).vocab_size
-    prompts, out_lens = throughput.make_workload(args, vocab)
-    # make_workload clips to [1, max]; raising the floor gives clip to [min, max] exactly.
-    out_lens = [max(args.min_output, m) for m in out_lens]
+    warm = throughput.make_workload(args, vocab, ids_seed=throughput.WARM_UP_IDS)
     bs = args.batch_size
     runners = {
         "conveyor": throughput.conveyor_runner(
-            model, prompts, out_lens, bs, progress, attention_backend=args.attention_backend
+            model, warm, bs, progress, attention_backend=args.attention_backend, dtype=args.dtype
         ),
-        "transformers_static": throughput.transformers_runner(
-            model, prompts, out_lens, bs, progress
-        ),
+        "transformers_static": throughput.transformers_runner(model, warm, bs, progress),
     }
     if args.vllm_python:
         python = shutil.which(args.vllm_python) or args.vllm_python
-        runners["vllm_cpu"] = vllm_runner(python, model, prompts, out_lens, bs, args.vllm_timeout)
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(args.repeats):
-        for name, run in runners.items():
-            print(f"[side_by_side] running {name}", file=sys.stderr, flush=True)
-            times[name].append(run())
+        runners["vllm_cpu"] = vllm_runner(python, model, warm, bs, args.vllm_timeout)
+    times, out_lens = throughput.run_interleaved(runners, args, vocab)
     del runners  # free the models before the analyses load one more
 
     result: dict = {
         "model": f"shape:{args.shape}" if args.shape else model,
         "shape": SHAPES.get(args.shape) if args.shape else None,
         "workload": {
-            "num_requests": len(prompts),
+            "num_requests": args.num_requests,
             "prompt_tokens": [args.min_prompt, args.max_prompt],
             "output_tokens": [args.min_output, args.max_output],
             "mean_output_tokens": args.mean_output,
-            "total_prompt_tokens": sum(len(x) for x in prompts),
+            "total_prompt_tokens": sum(map(len, throughput.make_workload(args, vocab)[0])),
             "total_output_tokens": sum(out_lens),
             "max_num_seqs": bs,
             "seed": args.seed,
             "sampling": "greedy, ignore_eos",
+            "fresh_prompt_ids_every_repeat": True,
         },
+        "conveyor_dtype": args.dtype,
         "torch_threads": torch.get_num_threads(),
         "attention_backend": args.attention_backend,
         "repeats": args.repeats,
     }
     for name, ts in times.items():
-        result[name] = throughput._result(len(prompts), sum(out_lens), ts)
+        result[name] = throughput._result(args.num_requests, sum(out_lens), ts)
     if "vllm_cpu" not in times:
         result["vllm_cpu"] = None
     tps = {k: result[k]["output_tokens_per_s"] for k in times}
@@ -442,6 +450,7 @@ def _run(args, model: str, progress: bool) -> dict:
         max_num_batched_tokens=2048,
         seed=0,
         attention_backend=args.attention_backend,
+        dtype=args.dtype,
     )
     runner_model = llm.llm_engine.runner.model
     once = floor_pass(runner_model, bs)

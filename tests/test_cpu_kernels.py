@@ -28,10 +28,11 @@ from conveyor.model.torch_attention import paged_attention as reference
 CPU = torch.device("cpu")
 
 
-def _batch(shapes, hq, hkv, d, bs, seed, dtype=torch.float32, quant=False):
+def _batch(shapes, hq, hkv, d, bs, seed, dtype=torch.float32, quant=False, kv_dtype=None):
     """A paged cache (shuffled blocks) holding each request's context, and this step's q/k/v.
 
     shapes: (new tokens, context after this step) per request.
+    kv_dtype: the cache's dtype (None: `dtype`; the history is rounded to it).
     """
     gen = torch.Generator().manual_seed(seed)
     tables = shuffled_block_tables([s for _, s in shapes], bs, seed)
@@ -39,7 +40,7 @@ def _batch(shapes, hq, hkv, d, bs, seed, dtype=torch.float32, quant=False):
     cache = (
         QuantizedKVCache(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:4]))
         if quant
-        else torch.zeros(shape, dtype=dtype)
+        else torch.zeros(shape, dtype=kv_dtype or dtype)
     )
     for (n, s), table in zip(shapes, tables, strict=True):
         if s > n:  # the history, already in the cache
@@ -82,6 +83,25 @@ def _both(shapes, hq, hkv, d, bs, seed, **kw):
 def test_decode_rows_match_the_torch_reference(kernels, shapes, hq, hkv, d, bs):
     got, want, plan = _both(shapes, hq, hkv, d, bs, seed=len(shapes) + d)
     assert isinstance(plan, _CpuPlan) and plan.kernel_rows.rows.numel() == len(shapes)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 12])  # the AVX2 path and the portable loop
+def test_a_bfloat16_cache_is_read_widened_and_written_rounded(kernels, d):
+    """The CPU bf16 path's cache: float32 q, k, v, a bf16 cache. The kernel rounds the new
+    k, v to nearest even as it writes them and reads every row widened to float32, so it
+    matches the float32 reference given the same rounded k, v."""
+    shapes = [(1, 9), (5, 30), (1, 1), (3, 3)]
+    q, k, v, cache, meta = _batch(shapes, 6, 2, d, 4, 7, kv_dtype=torch.bfloat16)
+    got = CpuAttentionBackend(CPU).forward(q, k, v, cache, meta, d**-0.5)
+    (plan,) = meta.backend_state.values()
+    assert isinstance(plan, _CpuPlan) and plan.kernel_rows.rows.numel() == 10
+    flat = cache.view(2, -1, 2, d)
+    assert torch.equal(flat[0, meta.slot_mapping], k.bfloat16())
+    assert torch.equal(flat[1, meta.slot_mapping], v.bfloat16())
+    meta.backend_state = None
+    rounded = (x.bfloat16().float() for x in (k, v))
+    want = reference(q, *rounded, cache, meta, d**-0.5)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
@@ -142,8 +162,10 @@ def test_kernel_rejects_inputs_it_cannot_read(kernels):
     rows = batch = torch.arange(2)
     out = torch.empty(2, 4, 16)
     checked = kernels.attention_rows(meta.block_tables, rows, batch, meta.seq_lens, 8)
-    with pytest.raises(ValueError, match="float32 only"):
+    with pytest.raises(ValueError, match="float32 q and a float32 or bfloat16 cache"):
         kernels.paged_attention(q.double(), out, cache, checked, 0.25)
+    with pytest.raises(ValueError, match="float32 q and a float32 or bfloat16 cache"):
+        kernels.paged_attention(q, out, cache.half(), checked, 0.25)
     with pytest.raises(ValueError, match="contiguous heads"):
         q_t = q.transpose(0, 1).contiguous().transpose(0, 1)
         kernels.paged_attention(q_t, out, cache, checked, 0.25)

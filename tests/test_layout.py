@@ -20,6 +20,8 @@ HEAVY = ("torch", "triton", "transformers", "fastapi", "uvicorn")
         "conveyor.engine.outputs",
         "conveyor.simulator",
         "conveyor.model.checkpoint",
+        "conveyor.model.pooling_config",
+        "conveyor.pooling_params",
     ],
 )
 def test_plain_python_modules_import_no_torch(module):

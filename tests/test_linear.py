@@ -11,6 +11,8 @@ from conveyor import LLM, SamplingParams
 from conveyor.model import cpu_build, cpu_kernels
 from conveyor.model.linear import (
     CpuLinear,
+    Float32Embedding,
+    HeadEmbedding,
     PackedLinear,
     linear_factory,
     pack_linears,
@@ -48,6 +50,43 @@ def test_cpu_linear_equals_nn_linear(kernels, rows, n, k, bias):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 16, 40, 300])
+@pytest.mark.parametrize(("n", "k", "bias"), [(200, 96, True), (1000, 600, False), (7, 5, True)])
+def test_cpu_linear_with_bfloat16_weights_is_the_float32_product_of_the_rounded_weights(
+    kernels, rows, n, k, bias
+):
+    torch.manual_seed(rows + n)
+    linear = nn.Linear(k, n, bias=bias)
+    x = torch.randn(rows, k)
+    lin = CpuLinear(linear.weight, linear.bias, kernels, torch.bfloat16)
+    assert lin.packed_weight.dtype == torch.bfloat16
+    assert lin.packed_weight.numel() == -(-n // 16) * 16 * k  # half of float32's bytes
+    # The weights rounded to bf16 once, then float32 products and sums (x is not rounded).
+    rounded = linear.weight.detach().bfloat16().double()
+    expected = x.double() @ rounded.T
+    if bias:
+        expected += linear.bias.detach().double()
+    with torch.inference_mode():
+        got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_head_gives_back_the_embedding_rows(kernels, weight_dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(37, 24)  # a partial last panel
+    head = CpuLinear(weight, None, kernels, weight_dtype)
+    embed = HeadEmbedding(head)
+    ids = torch.tensor([[0, 36, 8], [15, 16, 7]])
+    rows = embed(ids)
+    assert rows.dtype == torch.float32 and rows.shape == (2, 3, 24)
+    assert torch.equal(rows, weight.to(weight_dtype).float()[ids])
+    for bad in (37, -1):
+        with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 37\)"):
+            embed(torch.tensor([3, bad]))
+
+
 def test_cpu_linear_rows_do_not_depend_on_their_batch_and_any_layout_works(kernels):
     torch.manual_seed(0)
     linear = nn.Linear(300, 50)
@@ -69,26 +108,44 @@ def test_cpu_linear_rows_do_not_depend_on_their_batch_and_any_layout_works(kerne
 
 def test_pack_linears_replaces_every_linear_and_packs_a_tied_head(kernels):
     class Inner(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, dtype: torch.dtype) -> None:
             super().__init__()
-            self.embed_tokens = nn.Embedding(50, 8)
+            self.embed_tokens = nn.Embedding(50, 8, dtype=dtype)
             self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
 
-    class Tied(nn.Module):
-        def __init__(self) -> None:
+    class Model(nn.Module):
+        def __init__(self, tied: bool, dtype: torch.dtype = torch.float32) -> None:
             super().__init__()
-            self.model = Inner()
-            self.lm_head = None
+            self.model = Inner(dtype)
+            self.lm_head = None if tied else nn.Linear(8, 50)
 
-    for make, kind in ((PackedLinear, PackedLinear), (linear_factory("cpu"), CpuLinear)):
-        model = Tied()
+    cases = [
+        (PackedLinear, PackedLinear, torch.float32),
+        (linear_factory("cpu"), CpuLinear, torch.float32),
+        (linear_factory("cpu", torch.bfloat16), CpuLinear, torch.bfloat16),
+    ]
+    for make, kind, dtype in cases:
+        model = Model(tied=True, dtype=dtype)
+        embedding = model.model.embed_tokens.weight.detach().clone()
         assert pack_linears(model, make) == 3
         assert not any(type(m) is nn.Linear for m in model.modules())
         assert isinstance(model.lm_head, kind) and isinstance(model.model.layers[0], kind)
         hidden = torch.randn(4, 8)
+        ids = torch.tensor([0, 49, 17])
         with torch.inference_mode():
             logits = model.lm_head(hidden)
-        torch.testing.assert_close(logits, hidden @ model.model.embed_tokens.weight.T)
+            looked_up = model.model.embed_tokens(ids)
+        torch.testing.assert_close(logits, hidden @ embedding.float().T)
+        assert torch.equal(looked_up, embedding.float()[ids])
+        # Our head's panels serve the lookups too: the matrix is held once.
+        assert isinstance(model.model.embed_tokens, HeadEmbedding) == (kind is CpuLinear)
+    # Untied, in bf16: the embedding keeps its table and gives float32 rows.
+    model = Model(tied=False, dtype=torch.bfloat16)
+    table = model.model.embed_tokens.weight
+    pack_linears(model, linear_factory("cpu", torch.bfloat16))
+    assert isinstance(model.model.embed_tokens, Float32Embedding)
+    assert model.model.embed_tokens.weight.data_ptr() == table.data_ptr()
+    assert torch.equal(model.model.embed_tokens(ids), table.float()[ids])
 
 
 def test_auto_takes_our_gemm_where_it_is_the_avx2_kernel_and_onednn_where_it_is_portable(
@@ -100,6 +157,9 @@ def test_auto_takes_our_gemm_where_it_is_the_avx2_kernel_and_onednn_where_it_is_
     if cpu_build.requested_isa() in ("portable", "avx2", "avx512"):
         assert kernels.linear_vectorized == (cpu_build.requested_isa() != "portable")
     assert resolve_linear_backend("auto", CPU, torch.float32) == want
+    # bf16: our GEMM's bf16 weights where it is the AVX2 kernel, else torch's bf16 linears.
+    want_bf16 = "cpu" if kernels.linear_vectorized else "torch"
+    assert resolve_linear_backend("auto", CPU, torch.bfloat16) == want_bf16
     # Asking for "cpu" works in either build: the portable loop is slower, not wrong.
     assert resolve_linear_backend("cpu", CPU, torch.float32) == "cpu"
     assert isinstance(linear_factory("cpu")(torch.ones(3, 2), None), CpuLinear)
@@ -107,8 +167,9 @@ def test_auto_takes_our_gemm_where_it_is_the_avx2_kernel_and_onednn_where_it_is_
 
 def test_backend_choice(monkeypatch):
     assert resolve_linear_backend("onednn", CPU, torch.float32) == "onednn"
-    with pytest.raises(ValueError, match="'cpu' runs on CPU in float32 only"):
-        resolve_linear_backend("cpu", CPU, torch.bfloat16)
+    assert resolve_linear_backend("cpu", CPU, torch.bfloat16) == "cpu"
+    with pytest.raises(ValueError, match="'cpu' runs on CPU in float32 or bfloat16"):
+        resolve_linear_backend("cpu", CPU, torch.float16)
     # Without the C kernels (no compiler): auto falls back to oneDNN, and "cpu" is refused
     # by name wherever it is asked for.
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
@@ -117,8 +178,9 @@ def test_backend_choice(monkeypatch):
         resolve_linear_backend("cpu", CPU, torch.float32)
     with pytest.raises(ValueError, match="linear_backend 'cpu' needs the C kernels"):
         linear_factory("cpu")
-    monkeypatch.undo()
     assert resolve_linear_backend("auto", CPU, torch.bfloat16) == "torch"
+    monkeypatch.undo()
+    assert resolve_linear_backend("auto", CPU, torch.float16) == "torch"
     assert resolve_linear_backend("torch", CPU, torch.float32) == "torch"
     with pytest.raises(ValueError, match="runs on CPU in float32 only"):
         resolve_linear_backend("onednn", CPU, torch.bfloat16)

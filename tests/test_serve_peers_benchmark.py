@@ -28,9 +28,11 @@ def test_serve_peers_runs_each_side_interleaved_and_reports_ratios(demo_model_di
         assert entry[side]["successful"] == 3 and entry[side]["failed"] == 0
         assert len(entry[side]["all_output_tok_s"]) == 2
         assert entry[side]["rss_mib"] > 0
-    # the KV cache from conveyor's start-up log; weights are logged for GGUF files only
-    assert entry["conveyor"]["kv_mib"] > 0 and "weights_mib" not in entry["conveyor"]
-    assert "kv_mib" not in entry["stand-in"]  # the split is read for conveyor's side only
+    # weights and KV cache from the start-up log of each side that is a conveyor server
+    for side in ("conveyor", "stand-in"):
+        assert entry[side]["kv_mib"] > 0 and entry[side]["weights_mib"] > 0
+        want = entry[side]["rss_mib"] - entry[side]["weights_mib"] - entry[side]["kv_mib"]
+        assert entry[side]["runtime_mib"] == pytest.approx(want, abs=0.2)
     assert set(entry["ratios_conveyor_to"]) == {"stand-in"}
     ratio = entry["ratios_conveyor_to"]["stand-in"]["output_tok_s"]
     want = entry["conveyor"]["output_tok_s"] / entry["stand-in"]["output_tok_s"]

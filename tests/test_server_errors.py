@@ -122,7 +122,7 @@ BAD_REQUESTS = [
     ("priority out of range", CMPL, _p(priority=2**40), 400, "priority"),
     ("priority string", CHAT, _m(priority="high"), 400, "priority"),
     ("n above the cap", CMPL, _p(n=17), 400, "n"),
-    ("unknown route", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("unknown route", "/v1/rerank", {"input": "x"}, 404, None),
 ]
 
 

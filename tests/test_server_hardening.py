@@ -287,7 +287,7 @@ def test_openapi_documents_400_with_the_error_body_not_422(server) -> None:
     schema = httpx.get(f"{server.base_url}/openapi.json", headers=AUTH).json()
     text = json.dumps(schema)
     assert '"422"' not in text and "HTTPValidationError" not in text
-    for path in (CMPL, CHAT, "/tokenize", "/detokenize"):
+    for path in (CMPL, CHAT, "/v1/embeddings", "/tokenize", "/detokenize"):
         responses = schema["paths"][path]["post"]["responses"]
         assert responses["400"]["content"]["application/json"]["schema"] == {
             "$ref": "#/components/schemas/ErrorResponse"

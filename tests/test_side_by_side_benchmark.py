@@ -14,9 +14,9 @@ side_by_side = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(side_by_side)
 
 _TINY = [
-    "--shape", "tiny3", "--num-requests", "4", "--batch-size", "2", "--min-prompt", "4",
-    "--max-prompt", "8", "--mean-output", "3", "--min-output", "2", "--max-output", "6",
-    "--repeats", "1", "--split-steps", "3", "--disable-tqdm",
+    "--shape", "tiny3", "--num-requests", "4", "--batch-size", "2", "--min-prompt", "20",
+    "--max-prompt", "40", "--mean-output", "3", "--min-output", "2", "--max-output", "6",
+    "--repeats", "2", "--split-steps", "3", "--disable-tqdm",
 ]  # fmt: skip
 
 
@@ -25,6 +25,11 @@ def test_side_by_side_prints_every_side_and_the_analyses(capsys):
     assert json.loads(capsys.readouterr().out) == result
     assert result["model"] == "shape:tiny3" and result["attention_backend"] == "auto"
     assert result["vllm_cpu"] is None and result["ratio_conveyor_to_vllm"] is None
+    # Fresh prompt ids every repeat and a warm-up of its own: nothing comes from the cache
+    # (20 to 40 tokens: at least one full block of 16 each, which a reused prompt would hit).
+    assert result["workload"]["fresh_prompt_ids_every_repeat"]
+    assert result["conveyor"]["prompt_tokens_from_cache"] == [0, 0]
+    assert result["transformers_static"]["prompt_tokens_from_cache"] == [None, None]
     total = result["workload"]["total_output_tokens"]
     for side in ("conveyor", "transformers_static"):
         assert result[side]["requests"] == 4

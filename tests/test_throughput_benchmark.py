@@ -18,10 +18,10 @@ def test_throughput_benchmark_prints_both_sides_and_their_ratio(demo_model_dir, 
             "--model", str(demo_model_dir),
             "--num-requests", "4",
             "--batch-size", "2",
-            "--min-prompt", "4",
-            "--max-prompt", "8",
+            "--min-prompt", "20",
+            "--max-prompt", "40",
             "--mean-output", "3",
-            "--repeats", "1",
+            "--repeats", "2",
         ]
     )  # fmt: skip
     printed = json.loads(capsys.readouterr().out)
@@ -35,6 +35,8 @@ def test_throughput_benchmark_prints_both_sides_and_their_ratio(demo_model_dir, 
         / result["transformers_static"]["output_tokens_per_s"]
     )
     assert abs(result["ratio_output_tokens_per_s"] - expected) < 0.01
+    # Fresh prompt ids every repeat (at least one full block each): no prefix-cache hits.
+    assert result["conveyor"]["prompt_tokens_from_cache"] == [0, 0]
 
 
 def test_throughput_benchmark_compares_the_linear_backends(demo_model_dir, capsys):

@@ -18,6 +18,8 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "__version__",
@@ -27,14 +29,17 @@ _LAZY = {
     "LLM": "conveyor.entrypoints.llm",
     "AsyncLLM": "conveyor.entrypoints.async_llm",
     "SamplingParams": "conveyor.sampling_params",
+    "PoolingParams": "conveyor.pooling_params",
+    "EmbeddingRequestOutput": "conveyor.engine.outputs",
     "RequestOutput": "conveyor.engine.outputs",
     "CompletionOutput": "conveyor.engine.outputs",
 }
 
 if TYPE_CHECKING:
-    from conveyor.engine.outputs import CompletionOutput, RequestOutput
+    from conveyor.engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
     from conveyor.entrypoints.async_llm import AsyncLLM
     from conveyor.entrypoints.llm import LLM
+    from conveyor.pooling_params import PoolingParams
     from conveyor.sampling_params import SamplingParams
 
 

@@ -129,6 +129,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--preemption-cooldown-s", type=float, metavar="S", help="preemptive-sjf cooldown (0.5)")
     add("--grammar-compile-timeout", type=float, metavar="S", help="a structured-output "
         "grammar that takes longer to compile fails its request with a 400 (5)")  # fmt: skip
+    add("--pooling-type", metavar="NAME", help="embeddings: last or mean pooling (default: "
+        "the checkpoint's sentence-transformers config, else last)")  # fmt: skip
     add("--max-waiting-requests", type=int, metavar="N", help="waiting sequences before 503 "
         "(default: one per KV block)")  # fmt: skip
     add("--max-n", type=int, metavar="N", help="largest n one request may ask for (16)")

@@ -10,6 +10,7 @@ import hashlib
 import struct
 from dataclasses import dataclass, field
 
+from conveyor.pooling_params import PoolingParams
 from conveyor.structured_outputs import StructuredOutputsParams
 from conveyor.validation import check_int, check_number
 
@@ -24,6 +25,11 @@ MAX_STOP_STRING_CHARS = 512
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # stop_token_ids are copied into every sample and matched against every sampled token.
 MAX_STOP_TOKEN_IDS = 1024
+# allowed_token_ids is a mask built every step (vLLM has no cap; this is above any vocabulary).
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+# bad_words are tokenized once per request and matched against every new token of it.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 512
 # A cache salt is hashed into the first KV block's hash of every prompt that carries it.
 MAX_CACHE_SALT_CHARS = 1024
 # `seed` is a signed 64-bit integer, as in vLLM (torch.long's range).
@@ -83,6 +89,17 @@ class SamplingParams:
     its own stream, seeded with `sample_seed(seed, i)`. `cache_salt` (vLLM's): requests with
     different salts never share prefix-cache blocks (the salt enters the hash of the first
     block), so one client cannot tell from cached tokens or timing what another one sent.
+
+    `pooling` (a PoolingParams, or a dict of its fields) makes it an embedding request: its
+    prompt runs, nothing is sampled, and its output carries the pooled vector
+    (`RequestOutput.embedding`); it takes n = 1 and no prompt logprobs or output constraint.
+
+    `allowed_token_ids` (vLLM's): only these token ids can be sampled (every other logit is
+    -inf). `bad_words` (vLLM's): words never generated. The engine's tokenizer turns each
+    into its token ids, with and without a leading space, as vLLM does
+    (`bad_words_token_ids`, which a caller may also give directly); a word's last token is
+    banned whenever the tokens generated so far end with the rest of the word. Both mask
+    logits before the penalties; logprobs stay those of the raw logits.
     """
 
     n: int = 1
@@ -109,6 +126,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
+    pooling: PoolingParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -126,6 +147,8 @@ class SamplingParams:
             )
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if isinstance(self.pooling, dict):
+            self.pooling = PoolingParams(**self.pooling)
         self._verify()
 
     def _verify(self) -> None:
@@ -187,11 +210,75 @@ class SamplingParams:
                 f"got {type(so).__name__}."
             )
         self._verify_logit_bias()
+        self._verify_masks()
         if self.cache_salt is not None:
             check_cache_salt(self.cache_salt)
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
+        self._verify_pooling()
+
+    def _verify_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        if not isinstance(self.pooling, PoolingParams):
+            raise ValueError(
+                "pooling must be a PoolingParams or a dict of its fields, "
+                f"got {type(self.pooling).__name__}."
+            )
+        for name, value, none in (
+            ("n", self.n, 1),
+            ("prompt_logprobs", self.prompt_logprobs, None),
+            ("structured_outputs", self.structured_outputs, None),
+        ):
+            if value != none:
+                raise ValueError(
+                    f"{name} must be {none} for an embedding (pooling) request, got {value!r:.80}."
+                )
+
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Every prompt token's row is read (prompt logprobs, mean pooling), so the prefix
+        cache's hits, whose rows are never computed, cannot stand in for any of them."""
+        pooling = self.pooling
+        return self.prompt_logprobs is not None or (
+            pooling is not None and pooling.pooling_type == "mean"
+        )
+
+    def _verify_masks(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, list) or not allowed:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids.")
+            if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(
+                    f"allowed_token_ids must hold at most {MAX_ALLOWED_TOKEN_IDS} token ids, "
+                    f"got {len(allowed)}."
+                )
+            for t in allowed:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(
+                        f"allowed_token_ids must be token ids (integers >= 0), got {t!r}."
+                    )
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} strings.")
+            for w in words:
+                if not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+                    raise ValueError(
+                        "bad_words must be non-blank strings of at most "
+                        f"{MAX_BAD_WORD_CHARS} characters, got {w!r:.80}."
+                    )
+        for ids in self.bad_words_token_ids or ():
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            ):
+                raise ValueError(
+                    f"bad_words_token_ids must be non-empty lists of token ids, got {ids!r:.80}."
+                )
 
     def _verify_logit_bias(self) -> None:
         bias = self.logit_bias

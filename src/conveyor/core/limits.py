@@ -1,7 +1,8 @@
 """What a prompt must fit, checked in one place with one message per failure.
 
 `PromptLimits.check` is the whole rule: a non-empty prompt of valid token ids that leaves room
-for output in the model's context and fits, with its output, in the whole KV cache.
+for output in the model's context and fits, with its output, in the whole KV cache (an
+embedding request, which samples nothing, may fill the whole context).
 `LLMEngine`, `LLM` and `AsyncLLM` call it before queueing; the HTTP server calls it with
 `strict=True` and turns the error into a 400 naming `PromptError.param`. The scheduler calls
 `check_kv_fits`, the part it can judge from a Sequence alone: a request that never fits the
@@ -23,8 +24,8 @@ class PromptError(ValueError):
     """A prompt that can never run.
 
     `param` is the request field at fault: "prompt", "max_tokens" / "min_tokens" (a strict
-    check's output bounds beyond the context), "logit_bias" or "stop_token_ids". It has a
-    default so the error survives pickling.
+    check's output bounds beyond the context), "logit_bias", "allowed_token_ids" or
+    "stop_token_ids". It has a default so the error survives pickling.
     """
 
     def __init__(self, message: str, param: str = "prompt") -> None:
@@ -79,7 +80,7 @@ class PromptLimits:
             max_tokens clamped to what the model's context leaves after the prompt.
         Raises:
             PromptError: an empty prompt, a token id outside the vocabulary (in the prompt,
-                logit_bias or stop_token_ids), a prompt that
+                logit_bias, allowed_token_ids or stop_token_ids), a prompt that
                 leaves no room in the context, (strict) a max_tokens beyond the context, or a
                 request larger than the whole KV cache.
         """
@@ -94,6 +95,12 @@ class PromptLimits:
                 raise PromptError(
                     f"logit_bias keys must be token ids in [0, {vocab}); got {t}.", "logit_bias"
                 )
+        for t in params.allowed_token_ids or ():
+            if t >= vocab:
+                raise PromptError(
+                    f"allowed_token_ids must be token ids in [0, {vocab}); got {t}.",
+                    "allowed_token_ids",
+                )
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise PromptError(
@@ -102,6 +109,14 @@ class PromptLimits:
                 )
         n, limit = len(prompt_ids), self.max_model_len
         context = f"This model's maximum context length is {limit} tokens."
+        if params.pooling is not None:  # an embedding: the prompt alone, nothing sampled
+            if n > limit:
+                raise PromptError(
+                    f"{context} However, you requested {n} tokens in the input for embedding "
+                    "generation. Please reduce the length of the input."
+                )
+            check_kv_fits(n, 1, self.kv_capacity)
+            return 1
         if n >= limit:
             raise PromptError(
                 f"{context} However, your prompt has {n} tokens, leaving no room for output."

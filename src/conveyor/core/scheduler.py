@@ -14,6 +14,8 @@ prefill), a decoding request gets 1, and a preempted request recomputes everythi
     front of waiting. A step that preempted for lack of blocks admits nothing new.
 A request with prompt_logprobs computes its prompt in chunks of at most PROMPT_LOGPROBS_CHUNK
 tokens (core/chunking.py), so its vocabulary-wide prompt rows never stall the others' step.
+An embedding request (`sampling_params.pooling`) runs its prompt like any prefill and is
+never sampled; mean pooling skips the prefix cache, last-token pooling does not.
 
 Deadlines: a request with `sampling_params.deadline` that is still unfinished when a step
 starts at or after `arrival_time + deadline` is aborted there, waiting or running: status
@@ -220,11 +222,10 @@ class Scheduler:
                 continue
             # Waiting requests hold nothing; a preempted one recomputes prompt + outputs, both
             # minus what the prefix cache still holds (their own freed blocks included).
-            # Prompt logprobs need every prompt token's logits: no cache hits for them.
-            if req.sampling_params.prompt_logprobs is None:
-                hits = bm.get_computed_blocks(req)
-            else:
-                hits = []
+            # Prompt logprobs and mean pooling read every prompt token's row: no cache hits
+            # for them. (Last-token pooling takes hits: the last token is always computed.)
+            every_row = req.sampling_params.needs_every_prompt_row
+            hits = [] if every_row else bm.get_computed_blocks(req)
             num_cached = len(hits) * bm.block_size
             n = num_tokens_to_schedule(req, num_cached, budget)
             if not bm.allocate_slots(req, n, hits):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from conveyor.pooling_params import POOLING_TYPES
 from conveyor.validation import check_choice, check_int, check_number, check_positive_int
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -71,6 +72,9 @@ class EngineConfig:
     # Seconds a structured-output grammar may take to compile; one that takes longer fails
     # its request (a 400 naming this limit). inf: no limit.
     grammar_compile_timeout: float = 5.0
+    # Embeddings (/v1/embeddings, LLM.embed): "last" or "mean" pooling of the final hidden
+    # states; None: what the checkpoint's sentence-transformers config says, else "last".
+    pooling_type: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -129,6 +133,8 @@ class EngineConfig:
             ">= 0 and finite",
             lambda v: 0 <= v < math.inf,
         )
+        if self.pooling_type is not None:
+            check_choice("pooling_type", self.pooling_type, POOLING_TYPES)
         check_number(
             "grammar_compile_timeout", self.grammar_compile_timeout, "> 0", lambda v: v > 0
         )

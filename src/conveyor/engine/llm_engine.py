@@ -10,6 +10,9 @@ exception in its token-level stop check, detokenizer, stop strings or logprobs) 
 alone: finish_reason "abort", `error` set, blocks freed; the step goes on for the others. A
 constraint that fails its request (it does not compile, or not in time, or allows no output)
 sets `error_param` too: the request's own mistake, which the server answers with a 400.
+An embedding request (`params.pooling`) runs its prompt through the same steps and finishes
+in the step that computes its last prompt token: finish_reason "stop", no tokens, its vector
+in `RequestOutput.embedding` (model/pooler.py pools; pooling_config.py reads the model's).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from conveyor.engine.output_state import OutputState, RequestState
 from conveyor.engine.outputs import Metric, MetricName, RequestMetrics, RequestOutput
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from conveyor.model.checkpoint import check_checkpoint
+from conveyor.model.pooling_config import read_pooling_config
 from conveyor.parallel.launch import create_runner, shutdown_runner
 from conveyor.sampling_params import SamplingParams
 
@@ -65,6 +69,11 @@ class LLMEngine:
         # What any prompt must fit (plain numbers: safe to read from another thread).
         kv_capacity = self.scheduler.block_manager.num_total_blocks * config.block_size
         self.limits = PromptLimits(self.max_model_len, self.runner.vocab_size, kv_capacity)
+        # How embedding requests pool (the checkpoint's sentence-transformers config, or
+        # config.pooling_type); plain values, so the server side gets a copy.
+        self.pooling = read_pooling_config(
+            self.model_path, self.runner.model.config.hidden_size, config.pooling_type
+        )
         self.grammars = GrammarCache(
             self.tokenizer.hf,
             self.runner.vocab_size,
@@ -113,8 +122,13 @@ class LLMEngine:
             prompt_ids = prompt_token_ids or self.tokenizer.encode(prompt)
         else:
             prompt_text, prompt_ids = None, list(prompt)
+        if params.pooling is not None:  # the model's pooling, and dimensions it can give
+            pooling_type = self.pooling.check_request(params.pooling.dimensions)
+            if params.pooling.pooling_type is None:
+                pooling = dataclasses.replace(params.pooling, pooling_type=pooling_type)
+                params = dataclasses.replace(params, pooling=pooling)
         max_tokens = self.check_prompt(prompt_ids, params)
-        params = self.tokenizer.with_generation_eos(params)
+        params = self.tokenizer.with_bad_words(self.tokenizer.with_generation_eos(params))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = RequestState(
             request_id, prompt_text, prompt_ids, stream, delta, RequestMetrics(arrival)
@@ -261,7 +275,7 @@ class LLMEngine:
             m = self._parents[self._seqs[req.request_id].parent_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        sampled, sampler_out, prompt_lps = self.runner.execute(sched_out)
+        sampled, sampler_out, prompt_lps, embeddings = self.runner.execute(sched_out)
         for rid, entries in prompt_lps.items():
             seq = self._seqs.get(rid)
             if seq is not None:
@@ -269,7 +283,7 @@ class LLMEngine:
                 parent.add_prompt_logprobs(entries, self.tokenizer.id_to_token_text)
         if sampler_out is None:
             self.scheduler.update_from_output(sched_out, {})
-            return expired
+            return expired + self._finish_embeddings(embeddings)
         tokens = {r.request_id: t for r, t in zip(sampled, sampler_out.token_ids, strict=True)}
         logprobs = dict(zip(tokens, sampler_out.logprobs, strict=True))
         outputs = expired
@@ -280,6 +294,7 @@ class LLMEngine:
                 error = InvalidTokenError(f"token {tokens[rid]} sampled for {rid!r}")
                 outputs.append(self._fail(seq.parent_id, error))
         updated = self.scheduler.update_from_output(sched_out, tokens)  # skips failed ones
+        outputs += self._finish_embeddings(embeddings)
 
         touched: dict[str, RequestState] = {}
         decode = self.tokenizer.id_to_token_text
@@ -321,6 +336,24 @@ class LLMEngine:
                 self._forget(parent)
             elif parent.stream:
                 outputs.append(parent.output())
+        return outputs
+
+    def _finish_embeddings(self, embeddings: dict[str, list[float]]) -> list[RequestOutput]:
+        """End the embedding requests whose vector this step pooled (after the scheduler's
+        update, so their blocks are freed as any finished request's) and report them."""
+        outputs = []
+        now = time.monotonic()
+        for rid, vector in embeddings.items():
+            seq = self._seqs.get(rid)
+            if seq is None:  # aborted while the step ran
+                continue
+            self.scheduler.finish_requests([rid], SequenceStatus.FINISHED_STOPPED)
+            parent = self._parents[seq.parent_id]
+            parent.embedding = vector
+            parent.metrics.first_token_time = parent.metrics.finished_time = now
+            self.num_prompt_tokens += len(parent.prompt_token_ids)
+            outputs.append(parent.output())
+            self._forget(parent)
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:

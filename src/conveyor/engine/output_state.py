@@ -100,6 +100,7 @@ class RequestState:
     # not asked for); reported once complete, once if delta.
     prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
     prompt_logprobs_sent: bool = False
+    embedding: list[float] | None = None  # an embedding request's vector, once pooled
 
     def add_prompt_logprobs(
         self, entries: list[tuple[int, TokenLogprobs]], decode: Callable[[int], str]
@@ -137,4 +138,5 @@ class RequestState:
             metrics=self.metrics,
             num_cached_tokens=max(self.seqs[0].request.num_cached_tokens, 0),
             prompt_logprobs=self._prompt_logprobs_out(),
+            embedding=self.embedding,
         )

@@ -69,6 +69,8 @@ class RequestOutput:
     # the first output after the prompt was computed (in every later one too unless delta).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error_param: str | None = None
+    # An embedding request's vector (SamplingParams.pooling), in its final output only.
+    embedding: list[float] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a later delta output of the same request into this one (like vLLM's `add`).
@@ -104,6 +106,29 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, shaped as vLLM's EmbeddingRequestOutput."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 class MetricName:

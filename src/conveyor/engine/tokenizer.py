@@ -86,6 +86,24 @@ class Tokenizer:
         out.stop_token_ids = [*params.stop_token_ids, *extra]
         return out
 
+    def with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with `bad_words_token_ids` from its `bad_words`, as vLLM tokenizes them:
+        each word (leading spaces stripped) as it is, and with one leading space when that
+        gives a different first token and as many tokens (a word-initial spelling)."""
+        if not params.bad_words:
+            return params
+        ids: list[list[int]] = list(params.bad_words_token_ids or ())
+        for word in params.bad_words:
+            plain = self.encode(word.lstrip(), add_special_tokens=False)
+            if plain:
+                ids.append(plain)
+            spaced = self.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                ids.append(spaced)
+        out = copy.copy(params)
+        out.bad_words_token_ids = ids
+        return out
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the tokenizer's BOS etc. when add_special_tokens)."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens)

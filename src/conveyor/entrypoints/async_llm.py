@@ -131,6 +131,7 @@ class AsyncLLM:
         self.engine: LLMEngine | None = started.engine
         self.model_path, self.limits = started.model_path, started.limits
         self.tokenizer = started.tokenizer
+        self.pooling = started.pooling  # a PoolingConfig: how embedding requests pool
         self.max_model_len = self.limits.max_model_len
         self.vocab_size = self.limits.vocab_size
         self.served_model_names = served_model_names(served_model_name, config.model)

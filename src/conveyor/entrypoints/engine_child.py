@@ -94,7 +94,7 @@ def run_engine_process(config: EngineConfig, commands: Connection, outbox: Conne
     except Exception as exc:
         send(("failed", picklable(exc)))
         return
-    info = EngineInfo(engine.model_path, engine.limits, engine.config.num_kv_blocks)
+    info = EngineInfo(engine.model_path, engine.limits, engine.config.num_kv_blocks, engine.pooling)
     send(("ready", info))
     beat = EngineBeat(send)
     beat.start()

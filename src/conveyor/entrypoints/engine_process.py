@@ -53,6 +53,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.outputs import RequestOutput
 from conveyor.entrypoints.engine_client import StepStats
 from conveyor.entrypoints.wire import EngineProcessError, unpack_output
+from conveyor.model.pooling_config import PoolingConfig
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class EngineInfo:
     model_path: str
     limits: PromptLimits
     num_kv_blocks: int
+    pooling: PoolingConfig | None = None  # how embedding requests pool (None: unknown)
 
 
 class EngineProcess:

@@ -24,6 +24,7 @@ from conveyor.entrypoints.data_parallel import DataParallelClient
 from conveyor.entrypoints.engine_client import EngineClient
 from conveyor.entrypoints.engine_process import EngineProcess
 from conveyor.entrypoints.engine_thread import EngineThread
+from conveyor.model.pooling_config import PoolingConfig
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class StartedEngine:
     model_path: str
     limits: PromptLimits
     tokenizer: Tokenizer
+    pooling: PoolingConfig | None = None  # how embedding requests pool
 
 
 def start_engine(
@@ -57,7 +59,9 @@ def start_engine(
     if not engine_process:
         engine = LLMEngine(config)
         core = EngineThread(engine, **callbacks)
-        return StartedEngine(core, engine, engine.model_path, engine.limits, engine.tokenizer)
+        return StartedEngine(
+            core, engine, engine.model_path, engine.limits, engine.tokenizer, engine.pooling
+        )
     folder = config.tokenizer or config.model
     pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
     try:
@@ -72,6 +76,6 @@ def start_engine(
             process = EngineProcess(config, heartbeat_timeout_s=heartbeat_timeout_s, **callbacks)
         info = process.info  # type: ignore[attr-defined]
         tokenizer = pending.result() if pending else Tokenizer.from_pretrained(info.model_path)
-        return StartedEngine(process, None, info.model_path, info.limits, tokenizer)
+        return StartedEngine(process, None, info.model_path, info.limits, tokenizer, info.pooling)
     finally:
         pool.shutdown(wait=False)

@@ -1,5 +1,5 @@
 """LLM: offline batch generation on top of LLMEngine, mirroring vLLM's `LLM.generate` and
-`LLM.chat`.
+`LLM.chat`, and `LLM.embed` (embeddings pooled from the final hidden states) as vLLM's.
 
 Lifecycle: `shutdown()` (idempotent) stops the tensor-parallel worker processes and leaves
 the torch.distributed group, so that another tensor-parallel LLM may start in this process;
@@ -21,7 +21,13 @@ from tqdm.auto import tqdm
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.grammar import check_structured_outputs
 from conveyor.engine.llm_engine import LLMEngine
-from conveyor.engine.outputs import Metric, RequestOutput
+from conveyor.engine.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Metric,
+    RequestOutput,
+)
+from conveyor.pooling_params import PoolingParams
 from conveyor.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -91,6 +97,54 @@ class LLM:
         if any(salt is not None for salt in salts):
             sampling_params = _with_salts(sampling_params, salts)
         return self._generate(prompt_list, token_prompts, sampling_params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed prompts (vLLM's `LLM.embed`): each prompt's final hidden states pooled as
+        the model pools them (its sentence-transformers config, else the last token; see
+        EngineConfig.pooling_type) and L2-normalized; `output.outputs.embedding` is the vector.
+
+        Args:
+            prompts: as for `generate`.
+            pooling_params: one for every prompt, or one per prompt (pooling_type None: the
+                model's; dimensions only for Matryoshka models).
+            use_tqdm: show a progress bar.
+        Raises:
+            ValueError: a malformed prompt, one longer than the context, or a pooling the
+                model cannot give. Nothing is queued unless every prompt is valid.
+        """
+        prompt_list, salts = _normalize_prompts(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            pooling_list = list(pooling_params)
+            if len(pooling_list) != len(prompt_list):
+                raise ValueError(
+                    f"Got {len(pooling_list)} pooling_params for {len(prompt_list)} prompts: "
+                    "give one PoolingParams or one per prompt."
+                )
+        for pooling in pooling_list:
+            self.llm_engine.pooling.check_request(pooling.dimensions)
+        params = [
+            SamplingParams(max_tokens=1, pooling=pooling, cache_salt=salt)
+            for pooling, salt in zip(pooling_list, salts, strict=True)
+        ]
+        tokenizer = self.llm_engine.tokenizer
+        token_prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in prompt_list]
+        results = []
+        for out in self._generate(prompt_list, token_prompts, params, use_tqdm):
+            if out.embedding is None:  # the engine failed it (out.error says why)
+                raise RuntimeError(f"embedding request {out.request_id} failed: {out.error}")
+            results.append(
+                EmbeddingRequestOutput(
+                    out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids
+                )
+            )
+        return results
 
     def chat(
         self,

@@ -238,6 +238,9 @@ class EngineMetrics:
             self.generation_tokens.inc(num_new)
             self._generation_total += num_new
             last_token_time = now
+        if out.embedding is not None:  # an embedding request: its prompt, no tokens
+            self.prompt_tokens.inc(num_prompt_tokens)
+            self._prompt_total += num_prompt_tokens
         if out.finished:
             self.e2e.observe(now - arrival)
             for c in out.outputs:

@@ -58,7 +58,7 @@ def pack_output(out: RequestOutput) -> tuple[Any, ...]:
         prompt_lps = [_pack_entry(e) if e is not None else None for e in out.prompt_logprobs]
     return (
         out.request_id, completions, out.finished, out.error, metrics, out.num_cached_tokens,
-        prompt_lps, out.error_param,
+        prompt_lps, out.error_param, out.embedding,
     )  # fmt: skip
 
 
@@ -82,7 +82,7 @@ def _pack_completion(c: CompletionOutput) -> tuple[Any, ...]:
 
 def unpack_output(packed: tuple[Any, ...]) -> RequestOutput:
     """The RequestOutput `pack_output` packed, with prompt None and no prompt ids."""
-    request_id, completions, finished, error, metrics, num_cached, prompt_lps, param = packed
+    request_id, completions, finished, error, metrics, num_cached, prompt_lps, param, emb = packed
     outputs = []
     for index, text, ids, cumulative, logprobs, *ends in completions:
         if logprobs is not None:
@@ -93,8 +93,9 @@ def unpack_output(packed: tuple[Any, ...]) -> RequestOutput:
     if prompt_lps is not None:
         prompt_lps = [_unpack_entry(e) if e is not None else None for e in prompt_lps]
     return RequestOutput(
-        request_id, None, [], outputs, finished, error, metrics, num_cached, prompt_lps, param
-    )
+        request_id, None, [], outputs, finished, error, metrics, num_cached, prompt_lps, param,
+        emb,
+    )  # fmt: skip
 
 
 def picklable(exc: Exception) -> Exception:

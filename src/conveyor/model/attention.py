@@ -166,8 +166,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     the paged cache (conveyor.model.cpu_kernels), long chunks through SDPA as in the torch
     reference (conveyor.model.cpu_attention says where the line is).
 
-    Float32 caches only; int8 or other dtypes, or a machine where the kernel cannot be built
-    (no C compiler), run the torch reference backend it extends instead.
+    Float32 queries on a float32 or bfloat16 cache (the CPU bf16 path: ModelRunner); int8 or
+    other dtypes, or a machine where the kernel cannot be built (no C compiler), run the torch
+    reference backend it extends instead.
     """
 
     name = "cpu"
@@ -191,7 +192,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if (
             self._kernels is None
             or isinstance(kv_cache, QuantizedKVCache)
-            or kv_cache.dtype != torch.float32
+            or kv_cache.dtype not in (torch.float32, torch.bfloat16)
             or q.dtype != torch.float32
         ):
             return super().forward(q, k, v, kv_cache, meta, scale, window)

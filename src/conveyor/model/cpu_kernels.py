@@ -56,12 +56,14 @@ _QUANT_ROWS_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32]
 # Every exported C function: (argument types, return type), as csrc/ declares it.
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_paged_attention_f32": (_ATTENTION_ARGS, ctypes.c_int),
+    "conveyor_paged_attention_bf16": (_ATTENTION_ARGS, ctypes.c_int),
     "conveyor_add_rms_norm_f32": (_NORM_ARGS, None),
     "conveyor_rms_norm_f32": (_NORM_ARGS, None),
     "conveyor_rotary_f32": (_ROTARY_ARGS, None),
     "conveyor_silu_mul_f32": (_SILU_MUL_ARGS, None),
     "conveyor_argmax_f32": (_ARGMAX_ARGS, None),
     "conveyor_linear_f32": (_LINEAR_ARGS, None),
+    "conveyor_linear_bf16": (_LINEAR_ARGS, None),
     "conveyor_linear_f32_vectorized": ([], ctypes.c_int),
     # GGUF blocks (conveyor.model.quant_linear wraps them)
     "conveyor_quantize_q8a_f32": (_QUANTIZE_ARGS, None),
@@ -80,13 +82,19 @@ class CpuKernels:
         for name, (argtypes, restype) in SIGNATURES.items():
             fns[name] = fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
-        self._attend = fns["conveyor_paged_attention_f32"]
+        self._attend = {
+            torch.float32: fns["conveyor_paged_attention_f32"],
+            torch.bfloat16: fns["conveyor_paged_attention_bf16"],
+        }
         self._add_norm = fns["conveyor_add_rms_norm_f32"]
         self._norm = fns["conveyor_rms_norm_f32"]
         self._rotary = fns["conveyor_rotary_f32"]
         self._silu_mul = fns["conveyor_silu_mul_f32"]
         self._argmax = fns["conveyor_argmax_f32"]
-        self._linear = fns["conveyor_linear_f32"]
+        self._linear = {
+            torch.float32: fns["conveyor_linear_f32"],
+            torch.bfloat16: fns["conveyor_linear_bf16"],
+        }
         # Whether the GEMM is the AVX2 + FMA kernel (a portable build has a plain C one:
         # correct, but linear_backend "auto" prefers oneDNN to it).
         self.linear_vectorized = bool(fns["conveyor_linear_f32_vectorized"]())
@@ -194,16 +202,16 @@ class CpuKernels:
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x @ W.T + bias as a new [M, n] tensor, W packed as CpuLinear packs it.
+        """x @ W.T + bias as a new float32 [M, n] tensor, W packed as CpuLinear packs it.
 
         The caller checks what C cannot: x float32 [M, K] with unit stride along K, packed
-        the contiguous float32 [ceil(n / 16), K, 16] panels of W, bias None or float32 [n]
-        contiguous (CpuLinear does).
+        the contiguous float32 or bfloat16 [ceil(n / 16), K, 16] panels of W, bias None or
+        float32 [n] contiguous (CpuLinear does).
         """
         rows, k = x.shape
         out = torch.empty(rows, n, dtype=torch.float32)
         if rows:
-            self._linear(
+            self._linear[packed.dtype](
                 x.data_ptr(),
                 x.stride(0),
                 rows,
@@ -289,7 +297,8 @@ class CpuKernels:
 
         Args:
             q: float32 [T, Hq, D] (rows contiguous); out: float32 [T, Hq, D], same strides.
-            kv_cache: float32 [2, num_blocks, block_size, Hkv, D], contiguous.
+            kv_cache: float32 or bfloat16 [2, num_blocks, block_size, Hkv, D], contiguous
+                (bf16: read widened to float32, new rows rounded to nearest even).
             rows: which rows attend which keys (attention_rows, once a step).
             new_kv: (k, v, slots): float32 k, v [T', Hkv, D] (heads contiguous, any token
                 stride) written at the flat cache slots int64 [T'] before any row attends,
@@ -300,8 +309,8 @@ class CpuKernels:
         """
         _, nb, block_size, hkv, d = kv_cache.shape
         _, hq, qd = q.shape
-        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
-            raise ValueError("paged_attention runs float32 only.")
+        if q.dtype != torch.float32 or kv_cache.dtype not in self._attend:
+            raise ValueError("paged_attention takes float32 q and a float32 or bfloat16 cache.")
         if qd != d or hq % hkv or out.shape != q.shape:
             raise ValueError(
                 f"shapes do not fit: q {tuple(q.shape)}, cache {tuple(kv_cache.shape)}."
@@ -326,13 +335,13 @@ class CpuKernels:
             k_stride, v_stride = k_new.stride(0), v_new.stride(0)
             k_new, v_new, slots = k_new.data_ptr(), v_new.data_ptr(), slots.data_ptr()
         k_cache = kv_cache.data_ptr()
-        failed = self._attend(
+        failed = self._attend[kv_cache.dtype](
             q.data_ptr(),
             q.stride(0),
             out.data_ptr(),
             out.stride(0),
             k_cache,
-            k_cache + 4 * kv_cache.stride(0),  # V: the second half, float32
+            k_cache + kv_cache.element_size() * kv_cache.stride(0),  # V: the second half
             *rows.args,
             hq,
             hkv,

@@ -163,8 +163,9 @@ def write_kv_cache(
     """Scatter new k, v [T, Hkv, D] into kv_cache at flat slots slot_mapping [T] (in place).
 
     Returns:
-        k, v as the cache now holds them: the inputs themselves for a float cache, their
-        int8 round trip (in k's dtype) for a QuantizedKVCache.
+        k, v as the cache now holds them, in k's dtype: the inputs themselves for a cache of
+        their dtype, their round trip through a narrower one (a bfloat16 cache under float32
+        activations: the CPU bf16 path) or through int8 (a QuantizedKVCache).
     """
     if isinstance(kv_cache, QuantizedKVCache):
         _, num_blocks, block_size, hkv, d = kv_cache.data.shape
@@ -179,16 +180,19 @@ def write_kv_cache(
         return held[0], held[1]
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+    dtype = k.dtype
+    k, v = (x.to(kv_cache.dtype) for x in (k, v))  # no copy for a cache of their dtype
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
-    return k, v
+    return k.to(dtype), v.to(dtype)
 
 
 def gather_kv(
     kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the given blocks, each [len(block_ids) * block_size, Hkv, D] in dtype and
-    contiguous (one copy each; int8 caches are dequantised).
+    contiguous (one copy each, and one more for a cache in another dtype; int8 caches are
+    dequantised).
 
     Two row gathers (index_select on dim 0 of a [num_blocks, block_size * Hkv * D] view),
     which run several times faster on CPU than one gather along dim 1 of the [2, ...] cache.
@@ -201,7 +205,8 @@ def gather_kv(
             scales = kv_cache.scales[i].view(nb, bs * hkv).index_select(0, block_ids)
             out.append(dequantize_int8(q, scales.view(-1, hkv), dtype))
         return out[0], out[1]
-    return _gather_blocks(kv_cache[0], block_ids), _gather_blocks(kv_cache[1], block_ids)
+    k, v = _gather_blocks(kv_cache[0], block_ids), _gather_blocks(kv_cache[1], block_ids)
+    return k.to(dtype), v.to(dtype)  # no copy for a cache in dtype
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

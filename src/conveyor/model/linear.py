@@ -14,14 +14,17 @@ multiplication. Both packed backends lay the weight out once:
 
 Results differ from MKL's only by summation order (fp32 rounding).
 
-    linear_backend   CPU fp32                                  otherwise
-    "auto"           cpu with the AVX2 GEMM, else onednn,      torch
-                     else torch
-    "cpu"            cpu (its portable loop in a build without  ValueError (CPU fp32 only)
-                     AVX2: CONVEYOR_CPU_ISA=portable, aarch64;
-                     ValueError without the C kernels)
-    "onednn"         onednn                                    ValueError (CPU fp32 only)
-    "torch"          nn.Linear                                 nn.Linear
+    linear_backend   CPU fp32                       CPU bf16                otherwise
+    "auto"           cpu with the AVX2 GEMM, else   cpu with the AVX2       torch
+                     onednn, else torch             GEMM, else torch
+    "cpu"            cpu (its portable loop in a build without AVX2:    ValueError
+                     CONVEYOR_CPU_ISA=portable, aarch64; ValueError
+                     without the C kernels)
+    "onednn"         onednn                         ValueError              ValueError
+    "torch"          nn.Linear                      nn.Linear (bf16)        nn.Linear
+
+With "cpu" in bfloat16 the weights are held in bf16 and everything else runs in float32
+(ModelRunner): the activations, the norms, attention and the KV cache.
 """
 
 from __future__ import annotations
@@ -48,9 +51,10 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     """
     check_choice("linear_backend", name, LINEAR_BACKENDS)
     cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    ours = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     onednn = cpu_fp32 and torch.backends.mkldnn.is_available()
     if name == "auto":
-        kernels = cpu_kernels.load() if cpu_fp32 else None
+        kernels = cpu_kernels.load() if ours else None
         if kernels is not None and kernels.linear_vectorized:
             return "cpu"
         return "onednn" if onednn else "torch"
@@ -60,8 +64,8 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
             "linear_backend 'onednn' runs on CPU in float32 only (with oneDNN available); "
             f"{got}. Use 'auto' or 'torch'."
         )
-    if name == "cpu" and not cpu_fp32:
-        raise ValueError(f"linear_backend 'cpu' runs on CPU in float32 only; {got}.")
+    if name == "cpu" and not ours:
+        raise ValueError(f"linear_backend 'cpu' runs on CPU in float32 or bfloat16; {got}.")
     if name == "cpu":
         _c_kernels()
     return name
@@ -82,15 +86,18 @@ def _c_kernels() -> Any:
     return kernels
 
 
-def linear_factory(backend: str) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module]:
-    """What pack_linears builds for a resolved backend, "cpu" or "onednn".
+def linear_factory(
+    backend: str, weight_dtype: torch.dtype = torch.float32
+) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module]:
+    """What pack_linears builds for a resolved backend, "cpu" (weights in `weight_dtype`,
+    float32 or bfloat16) or "onednn" (float32).
 
     Raises:
         ValueError: "cpu" without the C kernels.
     """
     if backend == "cpu":
         kernels = _c_kernels()
-        return lambda weight, bias: CpuLinear(weight, bias, kernels)
+        return lambda weight, bias: CpuLinear(weight, bias, kernels, weight_dtype)
     return PackedLinear
 
 
@@ -109,22 +116,51 @@ class PackedLinear(nn.Module):
 
 
 class CpuLinear(nn.Module):
-    """y = x @ W.T + b through csrc/linear.c, W held in 16-column panels (inference only)."""
+    """y = x @ W.T + b through csrc/linear.c, W held in 16-column panels (inference only).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any) -> None:
+    `weight_dtype` float32 keeps W exactly; bfloat16 holds it in half the bytes (rounded to
+    nearest), each k's 16 columns interleaved as the kernel loads them (linear.c). x, b and
+    y are float32 either way.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: Any,
+        weight_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
+        if weight_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"CpuLinear holds float32 or bfloat16 weights, not {weight_dtype}.")
         n, k = weight.shape
         panel = cpu_kernels.LINEAR_PANEL
         with torch.no_grad():
-            padded = weight.new_zeros(-(-n // panel) * panel, k, dtype=torch.float32)
+            padded = weight.new_zeros(-(-n // panel) * panel, k, dtype=weight_dtype)
             padded[:n] = weight.detach()
-            # [panels, 16, K] -> [panels, K, 16]: each k's 16 weights side by side
-            packed = padded.view(-1, panel, k).transpose(1, 2).contiguous()
-        self.register_buffer("packed_weight", packed, persistent=False)
+            if weight_dtype == torch.float32:
+                # [panels, 16, K] -> [panels, K, 16]: each k's 16 weights side by side
+                packed = padded.view(-1, panel, k).transpose(1, 2).contiguous()
+            else:
+                # [panels, 2, 8, K] -> [panels, K, 8, 2]: columns j and 8 + j in one word
+                half = panel // 2
+                packed = padded.view(-1, 2, half, k).permute(0, 3, 2, 1).reshape(-1, k, panel)
+        self.register_buffer("packed_weight", packed.contiguous(), persistent=False)
         b = None if bias is None else bias.detach().float().contiguous()
         self.register_buffer("bias", b, persistent=False)
         self.in_features, self.out_features = k, n
         self.kernels = kernels
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as float32 [len(ids), K]: an embedding lookup in the head's
+        weights, for a model whose head is its embedding matrix (tied)."""
+        panel = cpu_kernels.LINEAR_PANEL
+        col = ids % panel
+        if self.packed_weight.dtype == torch.float32:
+            lane = col
+        else:  # where weight_dtype bfloat16 put column c: 2 c below 8, 2 (c - 8) + 1 above
+            lane = torch.where(col < panel // 2, 2 * col, 2 * (col - panel // 2) + 1)
+        return self.packed_weight[ids // panel, :, lane].float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
@@ -139,14 +175,40 @@ class CpuLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class HeadEmbedding(nn.Module):
+    """A tied model's token embedding read from its packed head (CpuLinear.weight_rows), so
+    the matrix is held once, in the head's panels; rows come back float32."""
+
+    def __init__(self, head: CpuLinear) -> None:
+        super().__init__()
+        self._rows = head.weight_rows  # a bound method, not a submodule: the head is lm_head
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.num_embeddings:
+            raise ValueError(f"a token id is outside the vocabulary [0, {self.num_embeddings}).")
+        return self._rows(flat).view(*ids.shape, self.embedding_dim)
+
+
+class Float32Embedding(nn.Embedding):
+    """An embedding table held in a narrower dtype (bfloat16) whose rows come back float32,
+    for a model that computes in float32."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids).float()
+
+
 def pack_linears(
     model: nn.Module,
     make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear,
 ) -> int:
     """Replace every nn.Linear under `model` by `make(weight, bias)` (a PackedLinear, or
     linear_factory's CpuLinear); a model whose logits reuse the embedding matrix (tied,
-    `lm_head` None) gets a packed copy of it as its `lm_head` (the embedding lookup keeps the
-    plain matrix).
+    `lm_head` None) gets a packed copy of it as its `lm_head`, and when that is a CpuLinear
+    the embedding lookup reads the head's panels (HeadEmbedding: one copy of the matrix; a
+    PackedLinear's layout is oneDNN's, so its embedding keeps the plain matrix). An untied
+    embedding held in another dtype than float32 is wrapped to return float32 rows.
 
     Returns:
         How many were replaced or added.
@@ -159,8 +221,15 @@ def pack_linears(
     ]
     for parent, name, child in targets:
         setattr(parent, name, make(child.weight, child.bias))
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding):
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if type(embed) is not nn.Embedding:
+        return len(targets)
+    if getattr(model, "lm_head", False) is None:
         model.lm_head = make(embed.weight, None)
+        if isinstance(model.lm_head, CpuLinear):
+            inner.embed_tokens = HeadEmbedding(model.lm_head)
         return len(targets) + 1
+    if embed.weight.dtype != torch.float32:
+        inner.embed_tokens = Float32Embedding.from_pretrained(embed.weight, freeze=True)
     return len(targets)

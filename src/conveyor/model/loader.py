@@ -8,6 +8,9 @@ then every parameter is assigned from the checkpoint, converted to the target dt
     model.layers.N.self_attn.{q,k,v}_proj.*   model.layers.N.self_attn.qkv_proj.*  (cat dim 0)
     model.layers.N.mlp.{gate,up}_proj.*       model.layers.N.mlp.gate_up_proj.*    (cat dim 0)
     lm_head.weight                            lm_head.weight, or absent when tied
+    layers.N... / embed_tokens.* / norm.*     model.layers.N... (a bare decoder saved without
+                                              its head, e.g. `LlamaModel` / `Qwen3Model`, as
+                                              embedding checkpoints such as Qwen3-Embedding are)
     everything else                           same name
 
 A GGUF file (model/gguf_loader.py) goes through the same path: its metadata becomes the
@@ -65,6 +68,11 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # The bare decoders (no head): embedding checkpoints saved from AutoModel.
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": MistralForCausalLM,
+    "Qwen2Model": Qwen2ForCausalLM,
+    "Qwen3Model": Qwen3ForCausalLM,
 }
 
 # The one name -> dtype table: EngineConfig's dtype names, "auto" aside (resolve_dtype).
@@ -160,6 +168,7 @@ def load_model(
     attention_backend: str = "auto",
     tp: Any = None,
     keep_quantized: bool = False,
+    linear_dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
     """Load a checkpoint directory into our model, in eval mode on device/dtype.
 
@@ -175,6 +184,10 @@ def load_model(
             (conveyor.parallel.sharding), each read as a narrow view of the file.
         keep_quantized: a GGUF file's weights of QUANT_TYPES stay in their blocks (CPU
             float32 with the C kernels only; elsewhere everything is dequantized).
+        linear_dtype: the dtype of the linears' and the embedding's weights when it differs
+            from `dtype`, the dtype of everything else and of the activations (the CPU
+            bfloat16 path: bf16 weights, packed by linear.CpuLinear, under float32
+            activations). None: `dtype`.
     Returns:
         the model; callers run it under torch.inference_mode().
     Raises:
@@ -198,6 +211,7 @@ def load_model(
     kernels = None
     if gguf_file is not None:
         if keep_quantized and device.type == "cpu" and dtype == torch.float32:
+            # (a bf16 linear_dtype changes only the weights that are not kept quantized)
             kernels = cpu_kernels.load()
         tensors = iter_gguf_tensors(gguf_file, hf_config, keep_quantized=kernels is not None)
     else:
@@ -213,7 +227,7 @@ def load_model(
     try:
         if gguf_file is not None:
             _log_gguf_paths(gguf_file, kernels is not None)
-        _assign_weights(model, tensors, dtype, device, shard, kernels)
+        _assign_weights(model, tensors, dtype, device, shard, kernels, linear_dtype or dtype)
     finally:
         if gguf_file is not None:
             release_gguf()
@@ -221,16 +235,23 @@ def load_model(
     if model.lm_head is None and isinstance(embed, QuantEmbedding):
         model.lm_head = embed.as_linear()  # tied: the head reads the embedding's blocks
     # Parameters are already in place; this moves the buffers (the rope table) along.
-    model = model.to(device=device, dtype=dtype).eval()
-    if gguf_file is not None:
-        logger.info("GGUF weights in memory: %.1f MiB.", weight_bytes(model) / 2**20)
-    return model
+    if linear_dtype in (None, dtype):
+        model = model.to(device=device, dtype=dtype)
+    else:
+        model = model.to(device=device)
+        for buf in model.buffers():  # the rope table, in `dtype`
+            if buf.is_floating_point():
+                buf.data = buf.data.to(dtype)
+    return model.eval()
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (each storage once: a tied head counts once)."""
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
+        if t.is_mkldnn:  # oneDNN's packed weight has no storage to read: its elements
+            seen[id(t)] = t.numel() * t.element_size()
+            continue
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
@@ -254,9 +275,11 @@ def _assign_weights(
     device: torch.device,
     shard: Shard | None = None,
     kernels: Any = None,
+    linear_dtype: torch.dtype | None = None,
 ) -> None:
     """Map HF names to ours, concatenate packed shards and assign every parameter (only
-    `shard`'s slice of each, when given). A weight whose pieces are all QuantTensors replaces
+    `shard`'s slice of each, when given), those of linears and embeddings in `linear_dtype`
+    (None: `dtype`). A weight whose pieces are all QuantTensors replaces
     its module by a quantized one (with `kernels`); a piece mixed with float ones is
     dequantized.
 
@@ -274,6 +297,8 @@ def _assign_weights(
     for name, item in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
             continue
+        if not name.startswith(("model.", "lm_head.")):  # a bare decoder's names
+            name = f"model.{name}"
         parts = name.split(".")
         sources = [(name, item)]
         if len(parts) >= 2 and parts[-2] in packed:
@@ -298,8 +323,11 @@ def _assign_weights(
             views = [v.dequantize() if isinstance(v, QuantTensor) else v for v in views]
         if shard is not None:
             views = [shard.slice(n, v) for (n, _), v in zip(sources, views, strict=True)]
-        tensor = views[0] if len(views) == 1 else _cat_as(views, dtype, device)
-        value = _set_parameter(model, name, expected[name], tensor, dtype, device)
+        owner = model.get_submodule(name.rpartition(".")[0])
+        as_dtype = linear_dtype if isinstance(owner, (nn.Linear, nn.Embedding)) else dtype
+        as_dtype = as_dtype or dtype
+        tensor = views[0] if len(views) == 1 else _cat_as(views, as_dtype, device)
+        value = _set_parameter(model, name, expected[name], tensor, as_dtype, device)
         for (_, source), view in zip(sources, views, strict=True):
             if isinstance(source, MappedTensor) and value.data_ptr() != view.data_ptr():
                 source.release()

@@ -1,10 +1,12 @@
-"""The logits stages of sampling: min_tokens, penalties and the min_p / top_k / top_p filters.
+"""The logits stages of sampling: token masks, min_tokens, penalties and the min_p / top_k /
+top_p filters.
 
 Each works on a float32 [N, V] batch whose row i belongs to requests[i] (or params[i]) and
 touches only the rows that asked for it; the Sampler (conveyor.model.sampler) decides which
 stages run and in what order:
 
-    min_tokens, penalties, logit_bias: in place, on raw logits (rows of any temperature)
+    allowed_token_ids, bad_words, min_tokens, penalties, logit_bias:
+                           in place, on raw logits (rows of any temperature)
     min_p, top_k, top_p:   on logits / temperature (random rows only), masked with -inf
 """
 
@@ -19,6 +21,38 @@ from conveyor.sampling_params import SamplingParams
 
 # A top_p row without top_k looks for its nucleus among this many best tokens first (CPU).
 _TOP_P_CANDIDATES = 1024
+
+
+def needs_token_masks(params: SamplingParams) -> bool:
+    """Whether a request's row goes through apply_token_masks."""
+    return params.allowed_token_ids is not None or bool(params.bad_words_token_ids)
+
+
+def apply_token_masks(logits: torch.Tensor, requests: list[Sequence]) -> None:
+    """In place, vLLM's semantics: a row with allowed_token_ids keeps only those logits; a
+    row with bad_words_token_ids loses each bad word's last token wherever its output so far
+    ends with the word's other tokens (a one-token word: always)."""
+    dev = logits.device
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, req in enumerate(requests):
+        p = req.sampling_params
+        if p.allowed_token_ids is not None:
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)
+            banned = torch.ones(vocab, dtype=torch.bool, device=dev)
+            banned[keep[keep < vocab]] = False
+            logits[i].masked_fill_(banned, float("-inf"))
+        out = req.output_token_ids
+        for word in p.bad_words_token_ids or ():
+            head = len(word) - 1
+            if head > len(out) or word[-1] >= vocab:
+                continue
+            if head == 0 or out[-head:] == word[:head]:
+                rows.append(i)
+                cols.append(word[-1])
+    if rows:
+        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: list[Sequence]) -> None:

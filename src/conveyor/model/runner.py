@@ -12,6 +12,8 @@ model once, prefill chunks and decode tokens together:
 
 Only requests whose step reaches the end of their known tokens are sampled (A is sampled only
 if position 7 is its last token); their logits are computed at the last row of their chunk.
+Embedding requests (`sampling_params.pooling`) are never sampled: their chunks' rows go to
+the pooler (model/pooler.py), which returns a vector once the prompt's last chunk ran.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from conveyor.model.loader import (
     read_hf_config,
     resolve_dtype,
     resolve_model_class,
+    weight_bytes,
 )
 from conveyor.model.logits_guard import FiniteLogitsGuard
+from conveyor.model.pooler import Pooler, PoolRows
 from conveyor.model.prompt_logprobs import PromptRows, prompt_logprobs
 from conveyor.model.quant_linear import set_activation_passes
 from conveyor.model.sampler import Sampler, SamplerOutput
@@ -52,6 +56,14 @@ from conveyor.parallel.group import StepBatch, TPGroup
 from conveyor.parallel.sharding import Shard
 
 logger = logging.getLogger(__name__)
+
+# What a step returns: sampled requests, their SamplerOutput, prompt logprobs, embeddings.
+StepResult = tuple[
+    list[Sequence],
+    SamplerOutput | None,
+    dict[str, list[tuple[int, TokenLogprobs]]],
+    dict[str, list[float]],
+]
 
 DEFAULT_KV_CACHE_SPACE_GB = 1.0
 # The demo model is tiny: 128 MiB holds 2048 blocks (32k tokens), plenty for trying it out.
@@ -90,8 +102,21 @@ class ModelRunner:
         # The KV cache is sized from config.json alone, so one that cannot fit in memory is
         # refused before the weights load.
         hf_config = read_hf_config(model_path)
-        # "auto": float32 on CPU; on CUDA the checkpoint's float16/bfloat16, else bfloat16.
+        # "auto": see resolve_dtype (CPU: bfloat16 where it has native bf16 dot products).
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        # Before the weights load, so an impossible choice is reported at once.
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
+        # self.dtype is the activations'; the weights and the KV cache may be held narrower.
+        # On CPU our GEMM takes bfloat16 weights under float32 activations, and the attention
+        # kernel a bfloat16 cache: what a decode step streams in half the bytes, every
+        # product and sum in float32.
+        self.weight_dtype = self.kv_dtype = self.dtype  # kv_dtype: unless kv_cache_dtype int8
+        if self.linear_backend == "cpu" and self.dtype == torch.bfloat16:
+            self.dtype = torch.float32
+            logger.info(
+                "dtype bfloat16 on CPU: bfloat16 weights (our GEMM) and KV cache, float32 "
+                "activations."
+            )
         resolve_model_class(hf_config)  # an unsupported architecture is named first
         model_config = ModelConfig.from_hf_config(hf_config)
         context = model_config.max_position_embeddings
@@ -107,7 +132,7 @@ class ModelRunner:
         if tp is not None:  # a rank's cache holds its KV heads only
             model_config = Shard.of(model_config, tp.rank, tp.size).local_config(model_config)
         bytes_per_block = kv_cache_bytes_per_block(
-            model_config, self.block_size, self.dtype, kv_dtype
+            model_config, self.block_size, self.kv_dtype, kv_dtype
         )
         self.kv_cache_space_gb = config.kv_cache_space_gb or (
             DEMO_KV_CACHE_SPACE_GB if config.model is None else DEFAULT_KV_CACHE_SPACE_GB
@@ -129,16 +154,15 @@ class ModelRunner:
         if not profile:
             self._fit_context_to_cache(config)
             self._check_kv_cache_fits(bytes_per_block, config)
-        # Before the weights load, so an impossible choice is reported at once.
-        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         # Our C kernels run the linears: a GGUF file's QUANT_TYPES blocks stay as they are.
         self.model = load_model(
             model_path, self.dtype, self.device, config.attention_backend, tp=tp,
-            keep_quantized=self.linear_backend == "cpu",
+            keep_quantized=self.linear_backend == "cpu", linear_dtype=self.weight_dtype,
         )  # fmt: skip
         set_activation_passes(self.model, config.quant_activation_passes)
         if self.linear_backend in ("onednn", "cpu"):
-            pack_linears(self.model, linear_factory(self.linear_backend))
+            pack_linears(self.model, linear_factory(self.linear_backend, self.weight_dtype))
+        logger.info("Weights in memory: %.1f MiB.", weight_bytes(self.model) / 2**20)
         # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
         # the rotary embedding and the sampler's argmax; attention_backend "torch" keeps the
         # forward and the sampler in torch.
@@ -170,7 +194,7 @@ class ModelRunner:
         self._check_kv_cache_fits(bytes_per_block, config)  # again: the weights took some
         try:
             self.kv_caches = allocate_kv_caches(
-                self.model.kv_config, self.num_kv_blocks, self.block_size, self.dtype,
+                self.model.kv_config, self.num_kv_blocks, self.block_size, self.kv_dtype,
                 self.device, kv_dtype,
             )  # fmt: skip
         except (RuntimeError, MemoryError) as exc:  # CPU "can't allocate memory", CUDA OOM
@@ -178,13 +202,14 @@ class ModelRunner:
         log_kv_cache(
             self.num_kv_blocks,
             self.block_size,
-            "int8" if kv_dtype == "int8" else str(self.dtype).removeprefix("torch."),
+            "int8" if kv_dtype == "int8" else str(self.kv_dtype).removeprefix("torch."),
             self.num_kv_blocks * bytes_per_block / 2**20,
             self.max_model_len,
         )
         if tp is None or tp.rank == 0:  # only rank 0 samples
             sampler = Sampler(self.vocab_size, config.seed, self.device, argmax)
             self.sampler = FiniteLogitsGuard(sampler)
+            self.pooler = Pooler()
 
     def _fit_context_to_cache(self, config: EngineConfig) -> None:
         """As vLLM: the effective max_model_len is the model's context capped by what the KV
@@ -228,42 +253,46 @@ class ModelRunner:
     def remove_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self.sampler.remove_requests(request_ids)
+            self.pooler.remove(request_ids)
 
     @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput
-    ) -> tuple[list[Sequence], SamplerOutput | None, dict[str, list[tuple[int, TokenLogprobs]]]]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step.
 
         Returns:
             the requests that were sampled (in row order), the sampler's output for them
-            (None when no request reached the end of its tokens this step), and the prompt
-            logprobs this step's rows gave: request id -> [(prompt position, TokenLogprobs)].
+            (None when no request reached the end of its tokens this step), the prompt
+            logprobs this step's rows gave (request id -> [(prompt position, TokenLogprobs)])
+            and the embeddings of the embedding requests whose prompt ended in this step
+            (request id -> vector).
         """
         if self.tp is not None:
             return self.tp.guard(self._execute, out)
         return self._execute(out)
 
-    def _execute(
-        self, out: SchedulerOutput
-    ) -> tuple[list[Sequence], SamplerOutput | None, dict[str, list[tuple[int, TokenLogprobs]]]]:
-        input_ids, meta, sample_rows, sampled, prompt_rows = self._prepare(out)
+    def _execute(self, out: SchedulerOutput) -> StepResult:
+        input_ids, meta, sample_rows, sampled, prompt_rows, pool_rows = self._prepare(out)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         prompt_lps = prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else {}
-        if not sampled:  # a pure prefill-chunk step: it wrote the K/V
-            return [], None, prompt_lps
+        embeddings = self.pooler(hidden, pool_rows) if pool_rows else {}
+        if not sampled:  # a pure prefill-chunk (or embedding) step: it wrote the K/V
+            return [], None, prompt_lps, embeddings
         logits = self.model.compute_logits(hidden[sample_rows])
-        return sampled, self.sampler(logits, sampled), prompt_lps
+        return sampled, self.sampler(logits, sampled), prompt_lps, embeddings
 
     def _prepare(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence], list[PromptRows]]:
+    ) -> tuple[
+        torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence], list[PromptRows],
+        list[PoolRows],
+    ]:  # fmt: skip
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sampled: list[Sequence] = []
         sample_rows: list[int] = []
         prompt_rows: list[PromptRows] = []
+        pool_rows: list[PoolRows] = []
         tables = []
         row = 0
         for req in out.scheduled:
@@ -278,6 +307,10 @@ class ModelRunner:
             last = min(end, req.num_prompt_tokens - 1)
             if req.sampling_params.prompt_logprobs is not None and start < last:
                 prompt_rows.append((req, start + 1, row, last - start))
+            if req.sampling_params.pooling is not None:  # pooled, never sampled
+                pool_rows.append((req, row, n, start))
+                row += n
+                continue
             row += n
             if end == req.num_tokens:
                 sampled.append(req)
@@ -291,4 +324,4 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, meta, rows, sampled, prompt_rows
+        return input_ids, meta, rows, sampled, prompt_rows, pool_rows

@@ -5,6 +5,7 @@ Stages, each skipped when no row needs it (the logits ones: conveyor.model.logit
     raw logits ──► logprobs (log_softmax of the raw logits, as vLLM's default)
         │
         ├─ structured outputs: tokens the row's grammar forbids -> -inf
+        ├─ allowed_token_ids, bad_words: the tokens the row may not sample -> -inf
         ├─ min_tokens: mask eos / stop_token_ids while too few outputs
         ├─ penalties: repetition (prompt + output), frequency / presence (output)
         ├─ logit_bias: + bias per token id
@@ -34,6 +35,8 @@ from conveyor.model.logits_processors import (
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
+    apply_token_masks,
+    needs_token_masks,
     top_k_top_p,
 )
 from conveyor.sampling_params import sample_seed
@@ -112,11 +115,15 @@ class Sampler:
         )
 
         needs_bias = any(p.logit_bias for p in params)
-        if not (random_rows or lp_rows or needs_penalty or needs_min_tokens or needs_bias):
+        needs_masks = any(needs_token_masks(p) for p in params)
+        in_place = needs_masks or needs_min_tokens or needs_penalty or needs_bias
+        if not (random_rows or lp_rows or in_place):
             return SamplerOutput(self.argmax(logits).tolist(), [None] * n)  # all-greedy fast path
 
-        if needs_min_tokens or needs_penalty or needs_bias:
+        if in_place:
             logits = logits.clone() if logits is raw else logits
+            if needs_masks:
+                apply_token_masks(logits, requests)
             if needs_min_tokens:
                 apply_min_tokens(logits, requests)
             if needs_penalty:

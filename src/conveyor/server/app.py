@@ -1,6 +1,7 @@
 """The FastAPI app: routes, API-key check, lifespan of the engine loop.
 
-    /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize  need a key
+    /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /v1/models/{id},
+    /tokenize, /detokenize        need a key
     /metrics                      needs it too with metrics_require_api_key
     /health, /ping (GET or HEAD: 200 with {"replicas": N, "serving": M}, or 503 when the
     engine is dead, hung, shutting down, or no replica serves),  /version       stay open
@@ -27,6 +28,7 @@ from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.config import ServerConfig
 from conveyor.server.context import ServingContext
+from conveyor.server.embeddings import EmbeddingRequest, create_embedding
 from conveyor.server.errors import APIError, error_body, error_response, install_error_handlers
 from conveyor.server.offload import INLINE_TOKENS, maybe_off_loop
 from conveyor.server.openapi import document_errors_as_400
@@ -128,6 +130,12 @@ def build_app(
             body.cache_salt = tenancy.cache_salt(raw.scope["headers"], body.cache_salt)
         return await until_disconnected(raw, create_chat_completion(ctx, body))
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        if tenancy is not None:
+            body.cache_salt = tenancy.cache_salt(raw.scope["headers"], body.cache_salt)
+        return await until_disconnected(raw, create_embedding(ctx, body))
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         # One card per served name, as vLLM lists its aliases.
@@ -135,6 +143,12 @@ def build_app(
         return ModelList(
             data=[ModelCard(id=name, root=root, max_model_len=max_len) for name in ctx.served_names]
         )
+
+    # `:path`: served names may hold slashes ("Org/Model"), as vLLM's often do.
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        ctx.check_model(model_id)  # 404 naming the served ones
+        return ModelCard(id=model_id, root=ctx.model_path, max_model_len=engine.max_model_len)
 
     # HEAD too: load balancers probe with it (the same status and headers, no body).
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -16,6 +16,7 @@ from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_fla
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import ChatCompletionRequest
+from conveyor.server.request_fields import template_fields
 from conveyor.server.responses import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -91,8 +92,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         req.chat_template_kwargs,
         req.chat_template,
         req.tools,
-        tools,
+        template_fields(req),
+        tool_setup=tools,
     )
+    prompt_ids = ctx.truncated(prompt_ids, req.truncate_prompt_tokens)
     ctx.check_fits(prompt_ids, params, "messages")
     ctx.admit(params.n)
     request_id = random_id("chatcmpl")

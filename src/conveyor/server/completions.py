@@ -55,15 +55,21 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
     engine = ctx.engine
     prompts = req.prompts()
     ctx.check_size(params.n, len(prompts))  # before any prompt is tokenized
-    prompt_ids = [await ctx.tokenize_prompt(p) for p in prompts]
+    special = req.add_special_tokens is not False
+    prompt_ids = [await ctx.tokenize_prompt(p, special) for p in prompts]
+    whole = [len(ids) for ids in prompt_ids]
+    prompt_ids = [ctx.truncated(ids, req.truncate_prompt_tokens) for ids in prompt_ids]
     for ids in prompt_ids:  # every prompt is checked before any is queued
         ctx.check_fits(ids, params, "prompt")
     echo_texts = None
     if req.echo:
         decode = engine.tokenizer.decode
+        # A truncated prompt echoes what the model saw: its kept tokens, decoded.
         echo_texts = [
-            p if isinstance(p, str) else await maybe_off_loop(len(ids), INLINE_TOKENS, decode, ids)
-            for p, ids in zip(prompts, prompt_ids, strict=True)
+            p
+            if isinstance(p, str) and len(ids) == n
+            else await maybe_off_loop(len(ids), INLINE_TOKENS, decode, ids)
+            for p, ids, n in zip(prompts, prompt_ids, whole, strict=True)
         ]
     ctx.admit(params.n, len(prompts))
     request_id = random_id("cmpl")

@@ -18,6 +18,7 @@ from conveyor.server.chat_template import template_kwargs as checked_template_kw
 from conveyor.server.errors import APIError
 from conveyor.server.offload import INLINE_CHARS, maybe_off_loop, off_loop
 from conveyor.server.protocol import ChatMessage
+from conveyor.server.request_fields import add_template_fields
 from conveyor.server.tool_fallback import fallback_messages
 from conveyor.server.tool_parsers import detect_tool_format
 from conveyor.server.tools import ToolSetup
@@ -154,6 +155,7 @@ class ServingContext:
         template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        fields: dict[str, Any] | None = None,
         tool_setup: ToolSetup | None = None,
     ) -> list[int]:
         """Prompt token ids of chat messages, through the chat template (the tokenizer's, or
@@ -162,13 +164,20 @@ class ServingContext:
         and the tool calls of the history are written into the messages instead
         (server/tool_fallback.py).
 
+        Args:
+            fields: request fields passed as template variables when the template reads
+                them (reasoning_effort, verbosity: server/request_fields.py).
+            tool_setup: the request's tools (their description, for the generic format).
         Raises:
-            APIError: text too long, a refused template or template variable, no template,
-                or the template failed on these messages.
+            APIError: text too long, a refused template or template variable, a field the
+                template does not read, no template, or the template failed on these
+                messages.
         """
         kwargs = checked_template_kwargs(
             template_kwargs, chat_template, self.trust_request_chat_template
         )
+        if fields:
+            add_template_fields(fields, self.template_source(kwargs), kwargs)
         dumped = [m.for_template() for m in messages]
         template = kwargs.get("chat_template")
         if self.tool_format(template if isinstance(template, str) else None) == "generic":
@@ -195,6 +204,36 @@ class ServingContext:
         except Exception as exc:  # anything else the template raised while rendering
             message = f"The chat template failed on these messages: {exc}"
             raise APIError(message, param="messages") from exc
+
+    def truncated(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the
+        context holds; None: the whole prompt).
+
+        Raises:
+            APIError: `keep` is 0, below -1 or above the model's context (400).
+        """
+        if keep is None:
+            return prompt_ids
+        limit = self.engine.max_model_len
+        if keep == -1:
+            keep = limit
+        if not 1 <= keep <= limit:
+            raise APIError(
+                f"truncate_prompt_tokens must be -1 (the model's context) or in [1, {limit}], "
+                f"got {keep}.",
+                param="truncate_prompt_tokens",
+            )
+        return prompt_ids[-keep:]
+
+    def template_source(self, kwargs: dict[str, Any]) -> str:
+        """The text of the chat template a request renders with: its own (kwargs'
+        `chat_template`, once checked) or the tokenizer's (all of them, if it has several)."""
+        source = kwargs.get("chat_template") or getattr(
+            self.engine.tokenizer.hf, "chat_template", None
+        )
+        if isinstance(source, dict):
+            return "\n".join(str(v) for v in source.values())
+        return source if isinstance(source, str) else ""
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams, what: str) -> None:
         """400 unless the prompt can run: the engine's check with strict=True, so a max_tokens

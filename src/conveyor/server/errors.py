@@ -4,7 +4,7 @@
     a body nested too deep (server/body_depth.py)           -> 400, param = field
     APIError / ValueError (SamplingParams, engine checks)  -> 400 (or the APIError's status)
     RequestRejectedError (the engine refused it, e.g. a grammar too slow to compile) -> 400
-    unknown route / method                                  -> 404 / 405
+    unknown route / method (the message names them)         -> 404 / 405 (with Allow)
     body over max_request_body_bytes (server/admission.py)  -> 413
     headers over max_header_bytes (server/http_limits.py)   -> 431
     EngineNotRunningError (dead engine, shutting down)      -> 503 ServiceUnavailableError
@@ -123,8 +123,20 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(message, 400, param)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), exc.status_code, getattr(exc, "param", None))
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        status, message = exc.status_code, str(exc.detail)
+        path = request.url.path
+        where = f"{request.method} {path if len(path) <= 200 else path[:200] + '...'}"
+        # The router's own: no route has this path, or none takes this method on it.
+        if status == 404 and message == "Not Found":
+            message = f"Invalid URL ({where}): this server has no such route."
+        elif status == 405 and message == "Method Not Allowed":
+            allow = (exc.headers or {}).get("Allow")
+            methods = f" (it takes {allow})" if allow else ""
+            message = f"Method not allowed ({where}): the route exists{methods}."
+        response = error_response(message, status, getattr(exc, "param", None))
+        response.headers.update(exc.headers or {})
+        return response
 
     async def _known(_: Request, exc: Exception) -> JSONResponse:
         status, message, param = classify(exc)

@@ -1,11 +1,14 @@
 """Pydantic models of the OpenAI-compatible requests (responses are in server/responses.py).
 
 Fields and defaults follow the OpenAI API plus vLLM's extensions (top_k, min_p,
-repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority, ...) and conveyor's
-scheduling fields (deadline, length_hint). Unknown fields are
-ignored, as vLLM does. Numbers and booleans are strict (`"max_tokens": "5"` or `true` is a 400,
-not silently coerced). `null` means "the default" everywhere. Ranges are checked once, by
-SamplingParams, whose ValueError names the field; `to_sampling_params` turns it into a 400.
+repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority, allowed_token_ids,
+bad_words, truncate_prompt_tokens, ...) and conveyor's scheduling fields (deadline,
+length_hint). Every declared field is honoured, an accepted no-op hint or refused with a 400
+(server/request_fields.py, checked field by field by tests/test_request_fields.py). Unknown
+fields are ignored, as vLLM does. Numbers and booleans are strict (`"max_tokens": "5"` or
+`true` is a 400, not silently coerced). `null` means "the default" everywhere. Ranges are
+checked once, by SamplingParams, whose ValueError names the field; `to_sampling_params`
+turns it into a 400.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pydantic_core import PydanticCustomError
 
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.errors import APIError
+from conveyor.server.request_fields import CHAT_REFUSED, REFUSED, check_refused
 from conveyor.server.unicode import find_lone_surrogate
 
 Int = Annotated[int, Strict()]
@@ -56,6 +60,12 @@ class OpenAIModel(BaseModel):
                 {"where": where[0], "char": where[1]},
             )
         return value
+
+
+# OpenAI's metadata: at most 16 pairs of strings, keys up to 64 and values up to 512 characters.
+_MAX_METADATA = (16, 64, 512)
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class StreamOptions(OpenAIModel):
@@ -102,6 +112,23 @@ class _GenerationRequest(OpenAIModel):
     # vLLM's: requests with different salts share no prefix-cache blocks. A server with
     # --cache-salt-from combines it with the tenant's own salt (server/tenancy.py).
     cache_salt: str | None = None
+    # vLLM's token masks (SamplingParams) and prompt truncation (the last N prompt tokens).
+    allowed_token_ids: list[Int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int | None = None
+    # vLLM's, refused unless they ask for nothing (server/request_fields.py's REFUSED).
+    use_beam_search: Bool | None = False
+    length_penalty: Float | None = None
+    spaces_between_special_tokens: Bool | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: Bool | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: Any = None
+    return_token_ids: Bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @field_validator("response_format")
     @classmethod
@@ -119,6 +146,7 @@ class _GenerationRequest(OpenAIModel):
             )
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError("best_of is not supported: leave it unset or equal to n.", "best_of")
+        check_refused(self, REFUSED)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys (strings): ASCII decimal digits only
@@ -165,6 +193,8 @@ class _GenerationRequest(OpenAIModel):
             "logit_bias": self._logit_bias(),
             "prompt_logprobs": self.prompt_logprobs,
             "cache_salt": self.cache_salt,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
         kwargs = {k: v for k, v in fields.items() if v is not None}
         try:
@@ -183,6 +213,7 @@ class CompletionRequest(_GenerationRequest):
     logprobs: Int | None = None
     echo: Bool | None = False
     suffix: str | None = None
+    add_special_tokens: Bool | None = True  # vLLM's: BOS and the like before a text prompt
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -210,6 +241,20 @@ class ChatMessage(OpenAIModel):
 
     role: Role
     content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """Images, audio, files: a 400 naming the part, not pydantic's union of mismatches."""
+        for j, part in enumerate(value if isinstance(value, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in ("text", "refusal"):
+                raise PydanticCustomError(
+                    "unsupported_content_part",
+                    "content[{j}] is a '{kind}' part: this server takes text parts only",
+                    {"j": j, "kind": kind[:40]},
+                )
+        return value
 
     def for_template(self) -> dict[str, Any]:
         """The message as `Tokenizer.apply_chat_template` takes it; that joins text parts and
@@ -254,9 +299,47 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: Bool | None = None  # false: at most one call (server/tools.py)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None  # false: at most one call (server/tools.py)
+    # Passed to a chat template that reads them, else a 400 (server/request_fields.py).
+    reasoning_effort: ReasoningEffort | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # OpenAI's hints, accepted and type-checked, changing nothing (NO_OP_HINTS).
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Refused unless they ask for nothing (REFUSED).
+    store: Bool | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    continue_final_message: Bool | None = None
+    # vLLM's chat extras, refused unless they ask for nothing (CHAT_REFUSED).
+    echo: Bool | None = None
+    add_special_tokens: Bool | None = None
+    documents: list[Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        pairs, key_chars, value_chars = _MAX_METADATA
+        if value is not None and (
+            len(value) > pairs
+            or any(len(k) > key_chars or len(v) > value_chars for k, v in value.items())
+        ):
+            raise PydanticCustomError(
+                "metadata_size",
+                "metadata holds at most {pairs} pairs, keys of at most {key_chars} and values "
+                "of at most {value_chars} characters",
+                {"pairs": pairs, "key_chars": key_chars, "value_chars": value_chars},
+            )
+        return value
 
     @field_validator("tools")
     @classmethod
@@ -269,6 +352,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check_chat(self) -> None:
         """Chat-only checks, before the template is applied."""
+        check_refused(self, CHAT_REFUSED)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(
                 "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"

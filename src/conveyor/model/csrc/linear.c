@@ -1,6 +1,8 @@
-/* Linear layers for CPU, float32: out = x @ W^T + bias, with W [N, K] packed once at load
- * into panels of NR = 16 output columns, [ceil(N / 16)][K][16] (the last panel zero-padded;
- * conveyor.model.linear.CpuLinear packs it).
+/* Linear layers for CPU: out = x @ W^T + bias, x, bias and out float32, with W [N, K] packed
+ * once at load into panels of NR = 16 output columns, [ceil(N / 16)][K][16] (the last panel
+ * zero-padded; conveyor.model.linear.CpuLinear packs it), in float32 (conveyor_linear_f32) or
+ * bfloat16 (conveyor_linear_bf16: half the bytes to stream, each weight widened to float32 in
+ * registers; the same float32 products and sums). linear_gemm.h is the kernel, once per type.
  *
  * The micro-kernel keeps a 6 x 16 block of out in twelve AVX2 registers and, for each k,
  * loads the panel's 16 weights once (two vectors) and broadcasts one x value per row: 12
@@ -79,103 +81,51 @@ static inline __attribute__((always_inline)) void store_row(float *o, int cols, 
 #define ROW_STORE(r)                                                                           \
     if (RR > r) store_row(o + r * ldo, cols, c##r##0, c##r##1);
 
-/* o[0..R) x [0..cols) (+)= x[0..R) x [0..kb) . panel[0..kb) x [0..16); first: start from
- * the bias (or 0) instead of o. */
-#define MICRO(R)                                                                               \
-    static void micro##R(const float *x, int64_t ldx, const float *panel, int64_t kb,           \
-                         const float *bias, int first, int prefetch, float *o, int64_t ldo,    \
-                         int cols)                                                             \
-    {                                                                                          \
-        enum { RR = R };                                                                       \
-        __m256 b0 = _mm256_setzero_ps(), b1 = b0;                                              \
-        if (first && bias) load_row(bias, cols, &b0, &b1);                                     \
-        __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;                     \
-        c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = b0;            \
-        ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5)                 \
-        for (int64_t kk = 0; kk < kb; kk++) {                                                  \
-            const float *wk = panel + kk * NR;                                                 \
-            if (prefetch) _mm_prefetch((const char *)(wk + PREFETCH_K * NR), _MM_HINT_T0);    \
-            const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);               \
-            ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)                  \
-        }                                                                                      \
-        ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)          \
-    }
-MICRO(6)
-MICRO(5)
-MICRO(4)
-MICRO(3)
-MICRO(2)
-MICRO(1)
-
-typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, const float *, int, int,
-                         float *, int64_t, int);
-static const micro_fn MICROS[MR + 1] = {0, micro1, micro2, micro3, micro4, micro5, micro6};
-
-/* out[m, n] = x[m, k] . W^T + bias (bias may be NULL). */
-void conveyor_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n,
-                        int64_t k, const float *bias, float *out, int64_t ldo, int num_threads)
-{
-    const int64_t panels = (n + NR - 1) / NR;
-    const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
-    for (int64_t m0 = 0; m0 < m; m0 += MC) {
-        const int64_t mb = m - m0 < MC ? m - m0 : MC;
-        #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-        for (int64_t p = 0; p < panels; p++) {
-            const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-            const float *pbias = bias ? bias + p * NR : 0;
-            float *o = out + m0 * ldo + p * NR;
-            for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += KC) { /* K = 0: the bias */
-                const int64_t kb = k - k0 < KC ? k - k0 : KC;
-                const float *panel = packed + (p * k + k0) * NR;
-                for (int64_t r = 0; r < mb; r += MR) {
-                    const int rows = (int)(mb - r < MR ? mb - r : MR);
-                    MICROS[rows](x + (m0 + r) * ldx + k0, ldx, panel, kb, pbias, k0 == 0,
-                                 r == 0, o + r * ldo, ldo, cols);
-                }
-            }
-        }
-    }
-}
-
 #else
-
-/* Portable build (no AVX2 + FMA: CONVEYOR_CPU_ISA=portable, an older x86-64, aarch64): the
- * same panels and the same sum per output (bias first, then k in order), PR rows at a time so
- * each weight load serves PR rows; the compiler vectorises the 16 columns with what the target
- * has (SSE2, NEON). Correct everywhere, but oneDNN is faster than it, so
- * conveyor_linear_f32_vectorized() says 0 and linear_backend "auto" picks oneDNN there. */
-#define PR 4
-
-void conveyor_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n,
-                        int64_t k, const float *bias, float *out, int64_t ldo, int num_threads)
-{
-    const int64_t panels = (n + NR - 1) / NR;
-    const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-    for (int64_t p = 0; p < panels; p++) {
-        const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-        const float *panel = packed + p * k * NR;
-        for (int64_t r0 = 0; r0 < m; r0 += PR) {
-            const int rows = (int)(m - r0 < PR ? m - r0 : PR);
-            float acc[PR][NR];
-            for (int r = 0; r < PR; r++)
-                for (int j = 0; j < NR; j++)
-                    acc[r][j] = bias && j < cols ? bias[p * NR + j] : 0.f;
-            for (int64_t kk = 0; kk < k; kk++) {
-                const float *wk = panel + kk * NR;
-                for (int r = 0; r < rows; r++) {
-                    const float a = x[(r0 + r) * ldx + kk];
-                    for (int j = 0; j < NR; j++)
-                        acc[r][j] += a * wk[j];
-                }
-            }
-            for (int r = 0; r < rows; r++)
-                memcpy(out + (r0 + r) * ldo + p * NR, acc[r], cols * sizeof(float));
-        }
-    }
-}
-
+#define PR 4 /* the portable loop's rows per weight load */
 #endif
+
+/* float32 weights: [panels][K][16] floats. */
+#define GEMM_FN conveyor_linear_f32
+#define W_T float
+#define SUFFIX _f32
+#define LOAD_W(wk, w0, w1) (w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps((wk) + 8))
+#define W_AT(wk, j) ((wk)[j])
+#include "linear_gemm.h"
+#undef GEMM_FN
+#undef W_T
+#undef SUFFIX
+#undef LOAD_W
+#undef W_AT
+
+/* bfloat16 weights: [panels][K][16] uint16, each k's 16 interleaved so that 32-bit word j
+ * holds column j in its low half and column 8 + j in its high half (CpuLinear packs them so).
+ * A bf16 is the top half of its float32, so one 256-bit load gives both halves of the panel
+ * in two integer operations: a shift left by 16 (columns 0-7) and a mask of the high halves
+ * (8-15). The products and sums are float32, as with float32 weights. */
+static inline float bf16_at(const uint16_t *wk, int j)
+{
+    const uint32_t bits = (uint32_t)wk[j < 8 ? 2 * j : 2 * (j - 8) + 1] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#define GEMM_FN conveyor_linear_bf16
+#define W_T uint16_t
+#define SUFFIX _bf16
+#define LOAD_W(wk, w0, w1)                                                                     \
+    do {                                                                                       \
+        const __m256i v_ = _mm256_loadu_si256((const __m256i *)(wk));                          \
+        w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v_, 16));                                   \
+        w1 = _mm256_castsi256_ps(_mm256_and_si256(v_, _mm256_set1_epi32((int)0xFFFF0000u)));   \
+    } while (0)
+#define W_AT(wk, j) bf16_at(wk, j)
+#include "linear_gemm.h"
+#undef GEMM_FN
+#undef W_T
+#undef SUFFIX
+#undef LOAD_W
+#undef W_AT
 
 /* Whether this build's GEMM is the AVX2 + FMA kernel (else the portable loop above). */
 int conveyor_linear_f32_vectorized(void)

@@ -1,0 +1,121 @@
+/* The GEMM of csrc/linear.c, written once for each weight type: linear.c includes this file
+ * once per type after defining
+ *
+ *   GEMM_FN      the entry point's name
+ *   W_T          the packed weights' element type (16 per k of a panel)
+ *   LOAD_W(wk, w0, w1)  (AVX2) columns 0-7 and 8-15 of the 16 weights at wk as two __m256
+ *   W_AT(wk, j)  (portable) column j of the 16 weights at wk as a float
+ *   SUFFIX       a token that keeps each instance's static helpers apart
+ *
+ * and undefines them afterwards. What the kernel does and why is in linear.c.
+ */
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define MICRO_FN(R) CAT(CAT(micro, R), SUFFIX)
+#define MICROS_TABLE CAT(micros, SUFFIX)
+
+#ifdef CONVEYOR_AVX2
+
+/* o[0..R) x [0..cols) (+)= x[0..R) x [0..kb) . panel[0..kb) x [0..16); first: start from
+ * the bias (or 0) instead of o. */
+#define MICRO(R)                                                                               \
+    static void MICRO_FN(R)(const float *x, int64_t ldx, const W_T *panel, int64_t kb,         \
+                            const float *bias, int first, int prefetch, float *o, int64_t ldo, \
+                            int cols)                                                          \
+    {                                                                                          \
+        enum { RR = R };                                                                       \
+        __m256 b0 = _mm256_setzero_ps(), b1 = b0;                                              \
+        if (first && bias) load_row(bias, cols, &b0, &b1);                                     \
+        __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;                     \
+        c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = b0;            \
+        ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5)                 \
+        for (int64_t kk = 0; kk < kb; kk++) {                                                  \
+            const W_T *wk = panel + kk * NR;                                                   \
+            if (prefetch) _mm_prefetch((const char *)(wk + PREFETCH_K * NR), _MM_HINT_T0);    \
+            __m256 w0, w1;                                                                     \
+            LOAD_W(wk, w0, w1);                                                                \
+            ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)                  \
+        }                                                                                      \
+        ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)          \
+    }
+MICRO(6)
+MICRO(5)
+MICRO(4)
+MICRO(3)
+MICRO(2)
+MICRO(1)
+#undef MICRO
+
+static void (*const MICROS_TABLE[MR + 1])(const float *, int64_t, const W_T *, int64_t,
+                                          const float *, int, int, float *, int64_t, int) = {
+    0, MICRO_FN(1), MICRO_FN(2), MICRO_FN(3), MICRO_FN(4), MICRO_FN(5), MICRO_FN(6)};
+
+/* out[m, n] = x[m, k] . W^T + bias (bias may be NULL). */
+void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,
+             const float *bias, float *out, int64_t ldo, int num_threads)
+{
+    const int64_t panels = (n + NR - 1) / NR;
+    const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
+    for (int64_t m0 = 0; m0 < m; m0 += MC) {
+        const int64_t mb = m - m0 < MC ? m - m0 : MC;
+        #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+        for (int64_t p = 0; p < panels; p++) {
+            const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
+            const float *pbias = bias ? bias + p * NR : 0;
+            float *o = out + m0 * ldo + p * NR;
+            for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += KC) { /* K = 0: the bias */
+                const int64_t kb = k - k0 < KC ? k - k0 : KC;
+                const W_T *panel = packed + (p * k + k0) * NR;
+                for (int64_t r = 0; r < mb; r += MR) {
+                    const int rows = (int)(mb - r < MR ? mb - r : MR);
+                    MICROS_TABLE[rows](x + (m0 + r) * ldx + k0, ldx, panel, kb, pbias, k0 == 0,
+                                       r == 0, o + r * ldo, ldo, cols);
+                }
+            }
+        }
+    }
+}
+
+#else
+
+/* Portable build (no AVX2 + FMA: CONVEYOR_CPU_ISA=portable, an older x86-64, aarch64): the
+ * same panels and the same sum per output (bias first, then k in order), PR rows at a time so
+ * each weight load serves PR rows; the compiler vectorises the 16 columns with what the target
+ * has (SSE2, NEON). */
+void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,
+             const float *bias, float *out, int64_t ldo, int num_threads)
+{
+    const int64_t panels = (n + NR - 1) / NR;
+    const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t p = 0; p < panels; p++) {
+        const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
+        const W_T *panel = packed + p * k * NR;
+        for (int64_t r0 = 0; r0 < m; r0 += PR) {
+            const int rows = (int)(m - r0 < PR ? m - r0 : PR);
+            float acc[PR][NR];
+            for (int r = 0; r < PR; r++)
+                for (int j = 0; j < NR; j++)
+                    acc[r][j] = bias && j < cols ? bias[p * NR + j] : 0.f;
+            for (int64_t kk = 0; kk < k; kk++) {
+                const W_T *wk = panel + kk * NR;
+                float w[NR];
+                for (int j = 0; j < NR; j++) w[j] = W_AT(wk, j);
+                for (int r = 0; r < rows; r++) {
+                    const float a = x[(r0 + r) * ldx + kk];
+                    for (int j = 0; j < NR; j++)
+                        acc[r][j] += a * w[j];
+                }
+            }
+            for (int r = 0; r < rows; r++)
+                memcpy(out + (r0 + r) * ldo + p * NR, acc[r], cols * sizeof(float));
+        }
+    }
+}
+
+#endif
+
+#undef MICRO_FN
+#undef MICROS_TABLE
+#undef CAT
+#undef CAT_
