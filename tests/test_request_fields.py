@@ -43,7 +43,7 @@ HONOURED = {
     | {
         "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
         "chat_template", "chat_template_kwargs", "tools", "tool_choice", "functions",
-        "function_call",
+        "function_call", "parallel_tool_calls",
     },
 }  # fmt: skip
 # OpenAI's own parameters of each endpoint, as the SDK declares them.
