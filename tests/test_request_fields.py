@@ -43,7 +43,7 @@ HONOURED = {
     | {
         "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
         "chat_template", "chat_template_kwargs", "tools", "tool_choice", "functions",
-        "function_call",
+        "function_call", "parallel_tool_calls",
     },
 }  # fmt: skip
 # OpenAI's own parameters of each endpoint, as the SDK declares them.
@@ -133,7 +133,6 @@ REFUSED_VALUES = {
     "moderation": {"model": "omni-moderation-latest"},
     "prompt_cache_retention": "24h",
     "prompt_cache_options": {"mode": "explicit"},
-    "parallel_tool_calls": False,
     "spaces_between_special_tokens": False,
     "logits_processors": ["mod.fn"],
     "return_tokens_as_token_ids": True,

@@ -12,6 +12,7 @@ two loads overlap. Skipped when the package is not installed (`.ci/run` installs
 from __future__ import annotations
 
 import importlib.util
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,3 +267,65 @@ def test_smollm2_served_by_two_data_parallel_replicas_gives_the_same_answers(tmp
         dp.stop()
     lines = [line for line in dp.log().splitlines() if "GGUF weights (2-D tensors)" in line]
     assert len(lines) == 2 and all("Q4_1: kept quantized" in line for line in lines), lines
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_smollm2_runs_the_openai_sdk_tool_loop_with_tool_choice_left_at_its_default(served):
+    """SmolLM2's template never mentions tools: they reach the model through the generic
+    fallback (a system message; text or a JSON call, by the grammar), so "auto" is no 400,
+    and the assistant message the SDK got back (`content: null`) and the tool's result render
+    on the second round (both were 400s). SmolLM2-135M answers this question in text by
+    itself, so the first round's call is asked for with "required", as agents do."""
+    server, _ = served
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    messages: list = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = dict(model=model, tools=[WEATHER_TOOL], temperature=0.0, max_tokens=MAX_TOKENS)
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    auto = client.chat.completions.create(messages=messages, **body)
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools' description
+    answer = auto.choices[0]
+    if answer.message.tool_calls:
+        assert answer.finish_reason == "tool_calls"
+    else:
+        assert answer.message.content and not answer.message.content.startswith("{")
+    # One call: left to itself, the small model repeats the same call until max_tokens.
+    first = client.chat.completions.create(
+        messages=messages, **{**body, "max_tokens": 40}, tool_choice="required",
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    (call,) = first.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
+    messages.append(first.choices[0].message)
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "22 degrees and sunny"})
+    second = client.chat.completions.create(
+        messages=messages, **{**body, "max_tokens": 40}, parallel_tool_calls=False
+    )
+    reply = second.choices[0]
+    if reply.message.tool_calls:  # (SmolLM2-135M tends to call it again)
+        assert reply.finish_reason == "tool_calls"
+        assert json.loads(reply.message.tool_calls[0].function.arguments)["city"]
+    else:
+        assert reply.finish_reason == "stop" and not reply.message.content.startswith("{")
+    # What the template got: the call in the assistant's content, the result a user message.
+    dumped = [m if isinstance(m, dict) else m.model_dump(exclude_unset=True) for m in messages]
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": dumped}).json()
+    prompt = httpx.post(f"{server.base_url}/detokenize", json=tokens).json()["prompt"]
+    envelope = {"tool_calls": [{"name": "get_weather", "arguments": json.loads(
+        call.function.arguments)}]}  # fmt: skip
+    assert f"assistant\n{json.dumps(envelope)}" in prompt  # (detokenized: no special tokens)
+    result = {"name": "get_weather", "tool_call_id": call.id, "content": "22 degrees and sunny"}
+    assert f"user\n{json.dumps({'tool_response': result})}" in prompt

@@ -147,8 +147,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "the server exits 1 (a replica restarts) (10; 0: off)")  # fmt: skip
     add("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=None,
         help="let requests bring their own chat template (off: such requests get 400)")  # fmt: skip
-    add("--tool-call-parser", metavar="NAME", help="how tool_choice auto reads tool calls "
-        "from the model's text: hermes (Qwen2.5) or llama3_json (none: auto is a 400)")  # fmt: skip
+    add("--tool-call-parser", metavar="NAME", help="the tool-call format: hermes (Qwen2.5/3), "
+        "llama3_json, mistral or generic (default: the chat template's)")  # fmt: skip
     add("--metrics-require-api-key", action=argparse.BooleanOptionalAction, default=None,
         help="with --api-key, /metrics needs the key too (default: open)")  # fmt: skip
     add("--shutdown-timeout", type=float, metavar="S", help="grace period on SIGTERM (10)")

@@ -213,3 +213,27 @@ class RequestGrammar:
     def terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
         return self.matcher.is_terminated()
+
+
+def text_or_json_ebnf(schema: dict, not_first: str, prefix: str = "", suffix: str = "") -> str:
+    """The EBNF of an answer that is either plain text or `prefix` + compact JSON valid against
+    `schema` + `suffix` (a tool-call format, server/tools.py).
+
+    The text may be empty; otherwise its first character is none of `not_first` (the start of
+    the JSON form, and blanks), so text and a call can never be confused.
+    """
+    import xgrammar as xgr
+
+    call = build_grammar(StructuredOutputsParams(json=schema))
+    parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(p)}") for p in (prefix,) if p]
+    parts.append(call)
+    parts += [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(s)}") for s in (suffix,) if s]
+    if len(parts) > 1:
+        call = xgr.Grammar.concat(*parts)
+    excluded = "".join(_CLASS_ESCAPES.get(c, c) for c in not_first)
+    text = xgr.Grammar.from_ebnf(f'root ::= "" | [^{excluded}] [\\0-\\U0010ffff]*')
+    return str(xgr.Grammar.union(text, call))
+
+
+_CLASS_ESCAPES = {" ": " ", "\t": "\\t", "\r": "\\r", "\n": "\\n", "[": "\\[", "]": "\\]",
+                  "\\": "\\\\", "^": "\\^", "-": "\\-"}  # fmt: skip

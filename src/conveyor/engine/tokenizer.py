@@ -116,6 +116,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
+    @property
+    def chat_template_text(self) -> str | None:
+        """The chat template's source (of all named ones together, if it has several)."""
+        template = getattr(self.hf, "chat_template", None)
+        if isinstance(template, dict):
+            return "\n".join(t for t in template.values() if isinstance(t, str))
+        return template if isinstance(template, str) else None
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

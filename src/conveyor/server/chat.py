@@ -37,7 +37,7 @@ from conveyor.server.structured import (
     requested_structured_outputs,
 )
 from conveyor.server.tool_parsers import ToolCall
-from conveyor.server.tools import ToolSetup, tool_call_dict, tool_setup
+from conveyor.server.tools import ToolCallStream, ToolSetup, tool_call_dict, tool_setup
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> Response:
@@ -60,19 +60,31 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if max_tokens is None:
         max_tokens = req.max_tokens
     params = ctx.with_timeout(req.sampling_params(max_tokens, top))
-    tools = tool_setup(req.tools, req.tool_choice, ctx.tool_call_parser)
-    if tools is not None and tools.mode in ("named", "required"):
+    template = req.chat_template
+    if template is None and isinstance(req.chat_template_kwargs, dict):
+        nested = req.chat_template_kwargs.get("chat_template")
+        template = nested if isinstance(nested, str) else None
+    tool_format = ctx.tool_format(template)
+    tools = tool_setup(req.tools, req.tool_choice, tool_format, req.parallel_tool_calls)
+    forced = await checked_tool_constraint(tools)
+    if forced is not None:
         if requested_structured_outputs(req)[0] is not None:
             raise APIError(
-                "A required or named tool_choice constrains the output itself: send no "
-                "response_format or structured_outputs with it.",
+                f'tool_choice {tools.mode!r} with this server\'s "{tool_format}" tool-call '
+                "format constrains the output itself: send no response_format or "
+                'structured_outputs with it (or tool_choice "none").',
                 param="tool_choice",
             )
-        structured, param = await checked_tool_constraint(tools), "tools"
+        structured, param = forced, "tools"
     else:
         structured, param = await checked_structured_outputs(req)
     if structured is not None:
         params = dataclasses.replace(params, structured_outputs=structured)
+    if tools is not None and tools.stop():
+        params = dataclasses.replace(params, stop=[*params.stop_strings, *tools.stop()])
+    if tools is not None and tools.mode == "auto" and tool_format == "mistral":
+        # [TOOL_CALLS] is a special token: the parser has to see it (as vLLM does).
+        params = dataclasses.replace(params, skip_special_tokens=False)
     ctx.check_size(params.n)  # before the template runs
     prompt_ids = await ctx.render_chat(
         req.messages,
@@ -81,6 +93,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         req.chat_template,
         req.tools,
         template_fields(req),
+        tool_setup=tools,
     )
     prompt_ids = ctx.truncated(prompt_ids, req.truncate_prompt_tokens)
     ctx.check_fits(prompt_ids, params, "messages")
@@ -173,41 +186,49 @@ class _ChatEvents(ChunkEvents):
         )
         self._n = n
         self._top = top
-        # With tools, a choice's text is held until it finishes, then read for tool calls
-        # and sent as one delta (tool calls in OpenAI's streamed shape, or the text); a
-        # named function's arguments stream as they come.
+        # With "auto" or "required", each choice's text goes through a ToolCallStream:
+        # content as it comes until a call begins, then tool-call deltas; a named
+        # function's arguments stream as they come.
         self._tools = tools
-        self._held = [""] * n if tools is not None else []
+        self._opened = [False] * n
+        self._streams = (
+            [ToolCallStream(tools) for _ in range(n)]
+            if tools is not None and tools.mode in ("auto", "required")
+            else []
+        )
 
     def openings(self) -> list[str]:
         # The first chunk of every choice carries the role, before any token is made.
         return [self._chunks.role(i) for i in range(self._n)]
 
     def choice(self, index: int, text: str, output: CompletionOutput, num_generated: int) -> str:
+        finish = output.finish_reason
         if self._tools is not None and self._tools.mode == "named":
             # The name is known from the start: stream the arguments as they come, OpenAI's
             # way (the first delta carries the call's id and name).
             call: dict[str, Any] = {"function": {"arguments": text}}
-            if not self._held[index]:
-                self._held[index] = "opened"
+            if not self._opened[index]:
+                self._opened[index] = True
                 call = {**tool_call_dict(ToolCall(str(self._tools.named), text))}
-            finish = output.finish_reason
             return self._chunks.tool_calls(index, None, [call], finish, num_generated)
-        if self._tools is not None:
-            self._held[index] += text
-            if output.finish_reason is None:
-                return ""
-            content, calls, finish = self._tools.read(self._held[index], output.finish_reason)
+        if self._streams:
+            stream = self._streams[index]
+            text, calls = stream.feed(text)
+            if finish is not None:
+                rest, more, made_calls = stream.finish()
+                text, calls = text + rest, calls + more
+                finish = "tool_calls" if made_calls else finish
             if calls:
-                return self._chunks.tool_calls(index, content, calls, finish, num_generated)
-            text = self._held[index]
+                return self._chunks.tool_calls(index, text or None, calls, finish, num_generated)
+            if not text and finish is None:
+                return ""  # held back: it may be the start of a call
         # OpenAI's last chunk has an empty delta unless it still carries text.
-        content = text if text or output.finish_reason is None else None
+        content = text if text or finish is None else None
         logprobs = None
         if self._top is not None and output.logprobs is not None:
             logprobs = chat_logprobs(output.token_ids, output.logprobs, self._top)
         return self._chunks.choice(
-            index, content, logprobs, output.finish_reason, stop_reason(output), num_generated
+            index, content, logprobs, finish, stop_reason(output), num_generated
         )
 
 

@@ -59,8 +59,8 @@ class ServerConfig:
     # Requests may bring their own chat template (code that runs on the server): off.
     trust_request_chat_template: bool = False
     metrics_require_api_key: bool = False  # with api_key, /metrics needs it too
-    # How `tool_choice: "auto"` reads tool calls from the model's text (server/tool_parsers.py);
-    # None: "auto" is a 400 (required and named functions work without one).
+    # The tool-call format (server/tool_parsers.py): how tools reach the model and how
+    # `tool_choice: "auto"` reads its calls; None: the one the chat template teaches.
     tool_call_parser: str | None = None
     # The engine in its own process: streaming work never holds up a step through the GIL.
     engine_process: bool = True

@@ -19,6 +19,9 @@ from conveyor.server.errors import APIError
 from conveyor.server.offload import INLINE_CHARS, maybe_off_loop, off_loop
 from conveyor.server.protocol import ChatMessage
 from conveyor.server.request_fields import add_template_fields
+from conveyor.server.tool_fallback import fallback_messages
+from conveyor.server.tool_parsers import detect_tool_format
+from conveyor.server.tools import ToolSetup
 
 MAX_CHARS_PER_TOKEN = 32
 
@@ -35,7 +38,8 @@ class ServingContext:
     aliases: further names requests may use (listed in /v1/models after model_name).
     max_prompts: the most prompts one completions request may hold (None: no cap).
     trust_request_chat_template: requests may bring their own chat template.
-    tool_call_parser: reads tool calls for tool_choice "auto" (None: "auto" is a 400).
+    tool_call_parser: the tool-call format (server/tool_parsers.py; None: the chat
+        template's, `detect_tool_format`).
     """
 
     engine: AsyncLLM
@@ -135,6 +139,15 @@ class ServingContext:
         encode = self.engine.tokenizer.encode
         return await maybe_off_loop(len(prompt), INLINE_CHARS, encode, prompt, add_special_tokens)
 
+    def tool_format(self, chat_template: str | None = None) -> str:
+        """The tool-call format of a request: --tool-call-parser's, else the one its chat
+        template (the request's own, or the tokenizer's) teaches."""
+        if self.tool_call_parser is not None:
+            return self.tool_call_parser
+        if chat_template is None:
+            chat_template = self.engine.tokenizer.chat_template_text
+        return detect_tool_format(chat_template)
+
     async def render_chat(
         self,
         messages: list[ChatMessage],
@@ -143,13 +156,18 @@ class ServingContext:
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         fields: dict[str, Any] | None = None,
+        tool_setup: ToolSetup | None = None,
     ) -> list[int]:
         """Prompt token ids of chat messages, through the chat template (the tokenizer's, or
         the request's own if the server trusts request templates), rendered off the loop.
+        With a template that cannot render tools (the generic tool-call format), the tools
+        and the tool calls of the history are written into the messages instead
+        (server/tool_fallback.py).
 
         Args:
             fields: request fields passed as template variables when the template reads
                 them (reasoning_effort, verbosity: server/request_fields.py).
+            tool_setup: the request's tools (their description, for the generic format).
         Raises:
             APIError: text too long, a refused template or template variable, a field the
                 template does not read, no template, or the template failed on these
@@ -160,9 +178,13 @@ class ServingContext:
         )
         if fields:
             add_template_fields(fields, self.template_source(kwargs), kwargs)
-        if tools:
-            kwargs["tools"] = tools
         dumped = [m.for_template() for m in messages]
+        template = kwargs.get("chat_template")
+        if self.tool_format(template if isinstance(template, str) else None) == "generic":
+            prompt = tool_setup.system_prompt() if tool_setup is not None else None
+            dumped = fallback_messages(dumped, prompt)
+        elif tools:
+            kwargs["tools"] = tools
         self.check_text_length(_num_chars(dumped), "messages")
         tokenizer = self.engine.tokenizer
         if not tokenizer.has_chat_template and "chat_template" not in kwargs:

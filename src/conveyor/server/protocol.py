@@ -13,6 +13,7 @@ turns it into a 400.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -257,8 +258,33 @@ class ChatMessage(OpenAIModel):
 
     def for_template(self) -> dict[str, Any]:
         """The message as `Tokenizer.apply_chat_template` takes it; that joins text parts and
-        maps role `developer` to `system` (`conveyor.engine.tokenizer.chat_messages`)."""
-        return self.model_dump(exclude_none=True)
+        maps role `developer` to `system` (`conveyor.engine.tokenizer.chat_messages`).
+
+        As vLLM and transformers pass them: a null or absent content is "" (an assistant
+        message with tool_calls has none; templates print `message['content']` as a string),
+        and each tool call's `arguments` JSON text is the object it holds (templates render
+        it as a mapping, or with `tojson`); an empty tool_calls list is no calls (templates
+        test `'tool_calls' in message`).
+        """
+        out = self.model_dump(exclude_none=True)
+        out.setdefault("content", "")
+        calls = out.get("tool_calls")
+        if calls == []:  # a plain answer sent back whole (`"tool_calls": []`, as we answer)
+            del out["tool_calls"]
+        elif isinstance(calls, list):
+            out["tool_calls"] = [_template_tool_call(c) for c in calls]
+        return out
+
+
+def _template_tool_call(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except json.JSONDecodeError:  # not JSON: the template gets the text as it came
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -275,7 +301,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: Bool | None = None
+    parallel_tool_calls: Bool | None = None  # false: at most one call (server/tools.py)
     # Passed to a chat template that reads them, else a 400 (server/request_fields.py).
     reasoning_effort: ReasoningEffort | None = None
     verbosity: Literal["low", "medium", "high"] | None = None

@@ -46,8 +46,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
         ({"mode": "implicit"}, {"mode": "implicit", "ttl": "30m"}, {"ttl": "30m"}, {}),
         "the prefix cache is implicit (automatic); explicit breakpoints are not supported",
     ),
-    # Until tool calls can be constrained to one (the tool-call work replaces this line).
-    "parallel_tool_calls": ((True,), "parallel_tool_calls=false is not supported yet"),
     # vLLM's extras
     "spaces_between_special_tokens": ((True,), "special tokens are always decoded as they are"),
     "logits_processors": ((), "per-request logits processors are not supported"),

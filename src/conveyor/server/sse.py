@@ -165,10 +165,9 @@ class ChatChunks(_Chunks):
         finish_reason: str | None,
         num_generated: int,
     ) -> str:
-        """A choice's last event carrying its tool calls (each with its `index`)."""
-        delta = DeltaMessage(
-            content=content, tool_calls=[{"index": i, **c} for i, c in enumerate(calls)]
-        )
+        """An event carrying tool-call deltas (each with its `index`: its own, or its place)."""
+        deltas = [c if "index" in c else {"index": i, **c} for i, c in enumerate(calls)]
+        delta = DeltaMessage(content=content, tool_calls=deltas)
         choice = ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish_reason)
         return self._model_event(choice, num_generated)
 

@@ -104,37 +104,38 @@ async def checked_structured_outputs(
 
 
 async def checked_tool_constraint(tools: ToolSetup | None) -> StructuredOutputsParams | None:
-    """The constraint of a required or named tool_choice, its schemas checked like
-    response_format's (None for the other modes, whose schemas only reach the template).
+    """The constraint of the request's tools (ToolSetup.constraint: required, named, and the
+    text-or-call grammars of "auto"), its schemas checked like response_format's; built and
+    checked in the schema pool.
 
     Raises:
         APIError: a tool's parameters refused by the checks (400 naming `tools`).
     """
-    if tools is None or tools.mode not in ("named", "required"):
+    if tools is None or tools.mode == "none":
         return None
     names = list(tools.parameters)
     used = [str(tools.named)] if tools.mode == "named" else names
+    checks = [
+        (StructuredOutputsParams(json=tools.parameters[name]),
+         f"tools[{names.index(name)}].function.parameters")
+        for name in used
+    ]  # fmt: skip
     try:
-        checks = [
-            (StructuredOutputsParams(json=tools.parameters[name]),
-             f"tools[{names.index(name)}].function.parameters")
-            for name in used
-        ]  # fmt: skip
-        forced = tools.constraint()
-        assert forced is not None  # named and required always constrain
-        await off_loop(_check_tools, checks, forced, pool=schema_pool())
+        return await off_loop(_check_tools, checks, tools, pool=schema_pool())
     except ValueError as exc:
         raise APIError(str(exc), param="tools") from exc
-    return forced
 
 
 def _check_tools(
-    checks: list[tuple[StructuredOutputsParams, str]], forced: StructuredOutputsParams
-) -> None:
-    """Each tool's schema in full; the tools together (required) against the limits only."""
+    checks: list[tuple[StructuredOutputsParams, str]], tools: ToolSetup
+) -> StructuredOutputsParams | None:
+    """Each tool's schema in full; the tools' constraint (all of them) against the limits."""
     for so, where in checks:
         check_structured_outputs(so, where)
-    check_constraint(*forced.key[:2], "tools (all of them together)")
+    forced = tools.constraint()
+    if forced is not None:
+        check_constraint(*forced.key[:2], "tools (all of them together)")
+    return forced
 
 
 def relabeled(

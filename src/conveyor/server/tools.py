@@ -1,58 +1,131 @@
-"""Tool calling on /v1/chat/completions: `tools` and `tool_choice`, OpenAI's semantics.
+"""Tool calling on /v1/chat/completions: `tools`, `tool_choice` and `parallel_tool_calls`,
+OpenAI's semantics.
 
     tool_choice "none"       the tools go to the chat template only; the answer is text
-    tool_choice "auto"       (the default with tools) the model's own format, parsed after
-                             generation by the server's --tool-call-parser
+    tool_choice "auto"       (the default with tools) text or calls in the tool-call format
+                             (server/tool_parsers.py): --tool-call-parser's, else the one the
+                             chat template teaches; a template that knows none gets the
+                             generic format (server/tool_fallback.py), enforced by the grammar
     tool_choice "required"   constrained to a JSON array of {"name", "parameters"} whose items
-                             match one tool's schema each: it always parses
+                             match one tool's schema each (the generic format: its envelope):
+                             it always parses
     {"type": "function", "function": {"name": F}}   constrained to F's parameters schema
+
+`parallel_tool_calls: false` allows at most one call: "required" and the generic, llama3_json
+and mistral formats by the grammar (one item; text or one call), hermes by ending the answer
+at the first `</tool_call>`.
 
 Calls come back as `message.tool_calls` (ids `call-...`); finish_reason is "tool_calls" when
 "auto" or "required" produced calls, "stop" for a named function (as vLLM and OpenAI do).
+Streamed, text is sent as it comes until a call begins; each call then streams as OpenAI's
+tool-call deltas (its id and name first, then its arguments as they are written).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.server.errors import APIError
 from conveyor.server.responses import random_id
-from conveyor.server.tool_parsers import TOOL_CALL_PARSERS, Parsed, ToolCall
+from conveyor.server.tool_fallback import envelope_schema, tools_prompt
+from conveyor.server.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    PartialCall,
+    Snapshot,
+    ToolCall,
+    parse_required,
+    snapshot_required,
+)
 from conveyor.structured_outputs import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ANY_OBJECT = {"type": "object", "properties": {}}
+_BLANKS = " \t\r\n"
 
 
 @dataclass(slots=True)
 class ToolSetup:
-    """The tools of one request and how the answer is read."""
+    """The tools of one request and how the answer is read.
+
+    format: the tool-call format (a TOOL_CALL_PARSERS name) the template and the answer use.
+    """
 
     mode: str  # "none" | "auto" | "required" | "named"
     parameters: dict[str, dict[str, Any]]  # tool name -> its parameters schema
     named: str | None = None
-    parser: Callable[[str], Parsed] | None = None
+    format: str = "generic"
+    parallel: bool = True
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def generic(self) -> bool:
+        return self.format == "generic"
+
+    def system_prompt(self) -> str | None:
+        """The tools' description for a template that cannot render them (None: no need)."""
+        if not self.generic or self.mode == "none":
+            return None
+        return tools_prompt(self.tools, self.mode, self.parallel, self.named)
+
+    def stop(self) -> list[str]:
+        """Stop strings that end the answer after its one call (hermes, parallel false)."""
+        if self.mode == "auto" and self.format == "hermes" and not self.parallel:
+            return ["</tool_call>"]
+        return []
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The output constraint that makes "required" and a named function always parse."""
+        """The output constraint: "required" and a named function always parse; "auto" in
+        the generic format, or with parallel_tool_calls false, is text or a call. Building a
+        text-or-call grammar loads xgrammar: call it off the event loop."""
         if self.mode == "named":
             return StructuredOutputsParams(json=self.parameters[str(self.named)])
-        if self.mode != "required":
+        if self.mode == "none":
             return None
+        if self.generic:
+            envelope = envelope_schema(self.parameters, self.parallel)
+            if self.mode == "required":
+                return StructuredOutputsParams(json=envelope)
+            return _text_or_call(envelope, "{")
+        if self.mode == "required":
+            return StructuredOutputsParams(json=self._array("parameters"))
+        if self.parallel or self.format == "hermes":
+            return None
+        if self.format == "llama3_json":
+            return _text_or_call(self._one("parameters"), "{<")
+        return _text_or_call(self._one("arguments"), "[", "[", "]")  # mistral
+
+    def _one(self, key: str) -> dict[str, Any]:
         items = [
             {
                 "type": "object",
-                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-                "required": ["name", "parameters"],
+                "properties": {"name": {"type": "string", "enum": [name]}, key: schema},
+                "required": ["name", key],
             }
             for name, schema in self.parameters.items()
         ]
-        one = items[0] if len(items) == 1 else {"anyOf": items}
-        return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": one})
+        return items[0] if len(items) == 1 else {"anyOf": items}
+
+    def _array(self, key: str) -> dict[str, Any]:
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": self._one(key)}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return schema
+
+    def snapshot(self, text: str) -> Snapshot:
+        """What an unfinished answer has surely said: content, and calls as far as written."""
+        if self.mode == "required" and not self.generic:
+            return snapshot_required(text)
+        return TOOL_CALL_PARSERS[self.format].snapshot(text)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A finished answer's content and calls."""
+        if self.mode == "required" and not self.generic:
+            calls = parse_required(text)
+            return (text, []) if calls is None else (None, calls)
+        return TOOL_CALL_PARSERS[self.format].parse(text)
 
     def read(
         self, text: str, finish_reason: str | None
@@ -61,17 +134,74 @@ class ToolSetup:
         calls: list[ToolCall] = []
         content: str | None = text
         if self.mode == "named" and finish_reason == "stop":
-            calls, content = [ToolCall(str(self.named), _compact(text))], None
-        elif self.mode == "required" and finish_reason == "stop":
-            calls = [ToolCall(c["name"], _compact(c["parameters"])) for c in json.loads(text)]
-            content = None
-        elif self.mode == "auto" and self.parser is not None:
-            content, calls = self.parser(text)
+            calls, content = [ToolCall(str(self.named), text)], None
+        elif self.mode in ("auto", "required"):
+            content, calls = self.parse(text)
         if not calls:
             return text, [], finish_reason
         if self.mode in ("auto", "required"):
             finish_reason = "tool_calls"
         return content, [tool_call_dict(c) for c in calls], finish_reason
+
+
+def _text_or_call(
+    schema: dict[str, Any], opener: str, prefix: str = "", suffix: str = ""
+) -> StructuredOutputsParams:
+    from conveyor.engine.grammar import text_or_json_ebnf
+
+    ebnf = text_or_json_ebnf(schema, opener + _BLANKS, prefix, suffix)
+    return StructuredOutputsParams(grammar=ebnf)
+
+
+class ToolCallStream:
+    """One streamed choice's tool calls: its text turned into content deltas and OpenAI's
+    tool-call deltas as it grows (see the module docstring)."""
+
+    def __init__(self, setup: ToolSetup) -> None:
+        self._setup = setup
+        self._text = ""
+        self._content = 0  # characters of content sent
+        self._calls: list[tuple[str, str]] = []  # (name, arguments sent) per call begun
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content delta, tool-call deltas) after `text` more of the answer."""
+        self._text += text
+        content, calls = self._setup.snapshot(self._text)
+        return self._content_delta(content), self._call_deltas(calls)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]], bool]:
+        """The last deltas once the answer is complete, and whether it made calls (as
+        ToolSetup.read finds them). A call that turns out malformed (or cut off) after its
+        first deltas were sent stays as sent."""
+        calls = self._setup.parse(self._text)[1]
+        if not calls and not self._calls:
+            return self._content_delta(self._text), [], False
+        partial = [PartialCall(c.name, c.arguments) for c in calls]
+        return "", self._call_deltas(partial), bool(calls)
+
+    def _content_delta(self, content: str) -> str:
+        if len(content) <= self._content:
+            return ""
+        delta, self._content = content[self._content :], len(content)
+        return delta
+
+    def _call_deltas(self, calls: list[PartialCall]) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        for i, call in enumerate(calls):
+            if call.name is None:
+                break
+            if i == len(self._calls):
+                self._calls.append((call.name, call.arguments))
+                deltas.append({"index": i, **tool_call_dict(ToolCall(call.name, call.arguments))})
+                continue
+            name, sent = self._calls[i]
+            if name != call.name or not call.arguments.startswith(sent):
+                continue  # what was sent cannot be taken back
+            if len(call.arguments) > len(sent):
+                delta = call.arguments[len(sent) :]
+                self._calls[i] = (name, call.arguments)
+                deltas.append({"index": i, "function": {"arguments": delta}})
+        return deltas
 
 
 def _compact(value: Any) -> str:
@@ -113,19 +243,24 @@ def _parameters(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def tool_setup(
-    tools: list[dict[str, Any]] | None, tool_choice: Any, parser_name: str | None
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    tool_format: str = "generic",
+    parallel_tool_calls: bool | None = None,
 ) -> ToolSetup | None:
     """The request's ToolSetup (None without tools).
 
+    Args:
+        tool_format: the tool-call format (--tool-call-parser's, or the template's).
     Raises:
-        APIError: malformed tools, an unknown tool_choice or function, or "auto" on a server
-            without --tool-call-parser.
+        APIError: malformed tools, an unknown tool_choice or function.
     """
     if not tools:
         if tool_choice not in (None, "none"):
             raise APIError("tool_choice needs tools.", param="tool_choice")
         return None
     parameters = _parameters(tools)
+    kw = dict(format=tool_format, parallel=parallel_tool_calls is not False, tools=tools)
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
         fn = choice.get("function")
@@ -135,18 +270,12 @@ def tool_setup(
                 f"tool_choice names no function of tools: {json.dumps(choice)[:100]}.",
                 param="tool_choice",
             )
-        return ToolSetup("named", parameters, named=name)
+        return ToolSetup("named", parameters, named=name, **kw)
     if choice in ("none", "required"):
-        return ToolSetup(choice, parameters)
+        return ToolSetup(choice, parameters, **kw)
     if choice != "auto":
         raise APIError(
             f'tool_choice must be "none", "auto", "required" or a function, got {choice!r}.',
             param="tool_choice",
         )
-    if parser_name is None:
-        raise APIError(
-            'tool_choice "auto" needs a server started with --tool-call-parser (one of '
-            f'{", ".join(TOOL_CALL_PARSERS)}); or send "required" or a named function.',
-            param="tool_choice",
-        )
-    return ToolSetup("auto", parameters, parser=TOOL_CALL_PARSERS[parser_name])
+    return ToolSetup("auto", parameters, **kw)
