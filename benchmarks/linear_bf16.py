@@ -1,0 +1,150 @@
+"""bfloat16 linears on CPU: our GEMM against what the libraries give, at decode and prefill rows.
+
+Every linear of one decode step of a model shape (each layer's qkv, o, gate_up and down, and
+the head), applied back to back to an [M, K] input for each --rows M, best of --repeats passes,
+interleaved. Sides (each one that runs on this CPU; the others say why not):
+
+  ours_f32        csrc/linear.c with float32 panels (linear_backend "cpu", dtype float32)
+  ours_bf16       the same kernel on bfloat16 panels, widened in registers (dtype bfloat16)
+  onednn_f32      oneDNN's prepacked float32 linear (linear_backend "onednn")
+  onednn_bf16     oneDNN's prepacked bfloat16 linear, bf16 activations
+                  (torch.ops.mkldnn._reorder_linear_weight; needs AVX512-BW/VL/DQ or
+                  AVX-NE-CONVERT)
+  torch_bf16      F.linear on bf16 weights and activations (MKL / oneDNN's own choice)
+  compiled_bf16   torch.compile (inductor's CPU backend, freezing on) of the same bf16 pass
+
+The memory floor: bytes of the bf16 weights / this machine's read bandwidth (the sum of a
+large tensor, measured in the same run). stdout: one JSON object with each side's ms per rows count and the
+ratios to ours_bf16.
+
+    python benchmarks/linear_bf16.py --shape smollm2-135m --rows 1 4 16 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.model import cpu_kernels
+from conveyor.model.linear import CpuLinear, PackedLinear
+
+# (hidden, intermediate, layers, q heads, kv heads, head dim, vocab)
+SHAPES = {
+    "tiny": (64, 128, 2, 4, 2, 16, 256),
+    "smollm2-135m": (576, 1536, 30, 9, 3, 64, 49152),
+    "tinyllama-1.1b": (2048, 5632, 22, 32, 4, 64, 49152),
+}
+
+
+def linear_shapes(name: str) -> list[tuple[int, int]]:
+    """(out, in) of every linear of one decode step."""
+    h, inter, layers, hq, hkv, d, vocab = SHAPES[name]
+    layer = [((hq + 2 * hkv) * d, h), (h, hq * d), (2 * inter, h), (h, inter)]
+    return layer * layers + [(vocab, h)]
+
+
+def read_bandwidth_gbps() -> float:
+    """Read bandwidth: the bytes of a 512 MiB tensor / the seconds of its sum (reads only,
+    on torch's threads), best of three."""
+    src = torch.ones(128 << 20)
+    best = min(_timed(src.sum) for _ in range(3))
+    return src.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def sides(weights: list[torch.Tensor]) -> dict[str, Callable | str]:
+    """Each side's pass maker (rows -> a function running every linear once), or why it
+    cannot run here."""
+    kernels = cpu_kernels.load()
+    out: dict[str, Callable | str] = {}
+
+    def chain(mods, dtype):
+        def make(rows):
+            xs = [torch.randn(rows, w.shape[1]).to(dtype) for w in weights]
+            return lambda: [m(x) for m, x in zip(mods, xs, strict=True)]
+
+        return make
+
+    if kernels is None:
+        out["ours_f32"] = out["ours_bf16"] = "no C kernels (no compiler)"
+    else:
+        for name, dtype in (("ours_f32", torch.float32), ("ours_bf16", torch.bfloat16)):
+            out[name] = chain([CpuLinear(w, None, kernels, dtype) for w in weights], torch.float32)
+    out["onednn_f32"] = chain([PackedLinear(w, None) for w in weights], torch.float32)
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16) for w in weights]
+        out["onednn_bf16"] = chain(
+            [
+                lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                for p in packed
+            ],
+            torch.bfloat16,
+        )
+    except RuntimeError as exc:
+        out["onednn_bf16"] = str(exc).splitlines()[0]
+    bf16 = [w.bfloat16() for w in weights]
+    out["torch_bf16"] = chain([lambda x, w=w: F.linear(x, w) for w in bf16], torch.bfloat16)
+
+    def compiled(rows):
+        xs = [torch.randn(rows, w.shape[1]).bfloat16() for w in bf16]
+        fn = torch.compile(lambda xs: [F.linear(x, w) for x, w in zip(xs, bf16, strict=True)])
+        fn(xs)  # compile
+        return lambda: fn(xs)
+
+    out["compiled_bf16"] = compiled
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--skip-compile", action="store_true", help="leave torch.compile out")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) * 0.02 for n, k in linear_shapes(args.shape)]
+    weight_bytes_bf16 = sum(w.numel() * 2 for w in weights)
+    made = sides(weights)
+    if args.skip_compile:
+        made["compiled_bf16"] = "left out (--skip-compile)"
+    report: dict = {
+        "shape": args.shape,
+        "torch_threads": torch.get_num_threads(),
+        "weight_mib_bf16": round(weight_bytes_bf16 / 2**20, 1),
+        "unavailable": {k: v for k, v in made.items() if isinstance(v, str)},
+        "results": [],
+    }
+    bandwidth = read_bandwidth_gbps()
+    report["read_bandwidth_gbps"] = round(bandwidth, 1)
+    report["memory_floor_ms_bf16"] = round(weight_bytes_bf16 / bandwidth / 1e6, 2)
+    runnable = {k: v for k, v in made.items() if not isinstance(v, str)}
+    with torch.inference_mode():
+        for rows in args.rows:
+            passes = {name: make(rows) for name, make in runnable.items()}
+            best = dict.fromkeys(passes, float("inf"))
+            for _ in range(args.repeats):  # interleaved
+                for name, run in passes.items():
+                    best[name] = min(best[name], _timed(run))
+            entry = {"rows": rows, **{k: round(v * 1e3, 2) for k, v in best.items()}}
+            if "ours_bf16" in best:
+                entry["ratio_to_ours_bf16"] = {
+                    k: round(v / best["ours_bf16"], 2) for k, v in best.items() if k != "ours_bf16"
+                }
+            report["results"].append(entry)
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
