@@ -14,8 +14,8 @@ interleaved. Sides (each one that runs on this CPU; the others say why not):
   compiled_bf16   torch.compile (inductor's CPU backend, freezing on) of the same bf16 pass
 
 The memory floor: bytes of the bf16 weights / this machine's read bandwidth (the sum of a
-large tensor, measured in the same run). stdout: one JSON object with each side's ms per rows count and the
-ratios to ours_bf16.
+large tensor, measured in the same run). stdout: one JSON object with each side's ms per
+rows count and the ratios to ours_bf16.
 
     python benchmarks/linear_bf16.py --shape smollm2-135m --rows 1 4 16 64 256
 """
