@@ -11,7 +11,7 @@ interleaved. Sides (each one that runs on this CPU; the others say why not):
                   (torch.ops.mkldnn._reorder_linear_weight; needs AVX512-BW/VL/DQ or
                   AVX-NE-CONVERT)
   torch_bf16      F.linear on bf16 weights and activations (MKL / oneDNN's own choice)
-  compiled_bf16   torch.compile (inductor's CPU backend, freezing on) of the same bf16 pass
+  compiled_bf16   torch.compile (inductor's CPU backend) of the same bf16 pass
 
 The memory floor: bytes of the bf16 weights / this machine's read bandwidth (the sum of a
 large tensor, measured in the same run). stdout: one JSON object with each side's ms per
