@@ -4,9 +4,9 @@
 counts of a decode step (one row per running sequence) that costs more than the
 multiplication. Both packed backends lay the weight out once:
 
-- "cpu" (CpuLinear): panels of 16 output columns for csrc/linear.c's AVX2 kernel, which
-  streams each weight once per step and keeps 6 x 16 outputs in registers (a build without
-  AVX2 has a plain C loop over the same panels instead). At decode sizes
+- "cpu" (CpuLinear): panels of 16 output columns, float32 or bfloat16, for csrc/linear.c's
+  AVX2 kernel, which streams each weight once per step and keeps 6 x 16 outputs in registers
+  (a build without AVX2 has a plain C loop over the same panels instead). At decode sizes
   it is 1.4-2x oneDNN on our 2-core box (every linear of SmolLM2-135M's shape, 16 rows:
   48 vs 68 ms; 1 row: 15 vs 32), and about even at prefill sizes.
 - "onednn" (PackedLinear): oneDNN's blocked layout from
