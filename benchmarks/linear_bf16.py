@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.repeats):  # interleaved
                 for name, run in passes.items():
                     best[name] = min(best[name], _timed(run))
-            entry = {"rows": rows, **{k: round(v * 1e3, 2) for k, v in best.items()}}
+            entry = {"rows": rows, **{k: round(v * 1e3, 4) for k, v in best.items()}}
             if "ours_bf16" in best:
                 entry["ratio_to_ours_bf16"] = {
                     k: round(v / best["ours_bf16"], 2) for k, v in best.items() if k != "ours_bf16"
