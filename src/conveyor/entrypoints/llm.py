@@ -92,11 +92,14 @@ class LLM:
                 unless every prompt is valid.
         """
         prompt_list, salts = _normalize_prompts(prompts)
-        tokenizer = self.llm_engine.tokenizer
-        token_prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in prompt_list]
         if any(salt is not None for salt in salts):
             sampling_params = _with_salts(sampling_params, salts)
-        return self._generate(prompt_list, token_prompts, sampling_params, use_tqdm)
+        return self._generate(prompt_list, self._token_ids(prompt_list), sampling_params, use_tqdm)
+
+    def _token_ids(self, prompt_list: list[str | list[int]]) -> list[list[int]]:
+        """Each prompt as token ids (text encoded by the engine's tokenizer)."""
+        tokenizer = self.llm_engine.tokenizer
+        return [p if isinstance(p, list) else tokenizer.encode(p) for p in prompt_list]
 
     def embed(
         self,
@@ -118,25 +121,17 @@ class LLM:
                 model cannot give. Nothing is queued unless every prompt is valid.
         """
         prompt_list, salts = _normalize_prompts(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            pooling_list = [pooling_params or PoolingParams()] * len(prompt_list)
-        else:
-            pooling_list = list(pooling_params)
-            if len(pooling_list) != len(prompt_list):
-                raise ValueError(
-                    f"Got {len(pooling_list)} pooling_params for {len(prompt_list)} prompts: "
-                    "give one PoolingParams or one per prompt."
-                )
+        pooling_list = _one_per_prompt(
+            pooling_params, PoolingParams, len(prompt_list), "pooling_params"
+        )
         for pooling in pooling_list:
             self.llm_engine.pooling.check_request(pooling.dimensions)
         params = [
             SamplingParams(max_tokens=1, pooling=pooling, cache_salt=salt)
             for pooling, salt in zip(pooling_list, salts, strict=True)
         ]
-        tokenizer = self.llm_engine.tokenizer
-        token_prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in prompt_list]
         results = []
-        for out in self._generate(prompt_list, token_prompts, params, use_tqdm):
+        for out in self._generate(prompt_list, self._token_ids(prompt_list), params, use_tqdm):
             if out.embedding is None:  # the engine failed it (out.error says why)
                 raise RuntimeError(f"embedding request {out.request_id} failed: {out.error}")
             results.append(
@@ -192,17 +187,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Check every prompt, then queue them all and run them to the end."""
         self._check_running()
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"Got {len(params_list)} sampling_params for {len(prompt_list)} prompts: "
-                    "give one SamplingParams or one per prompt."
-                )
+        params_list = _one_per_prompt(
+            sampling_params, SamplingParams, len(prompt_list), "sampling_params"
+        )
         engine = self.llm_engine
         # Check everything first so a bad prompt queues nothing.
         for ids, params in zip(token_prompts, params_list, strict=True):
@@ -255,15 +242,28 @@ def _normalize_prompts(prompts: Any) -> tuple[list[str | list[int]], list[str | 
     return [_normalize_one(p) for p in prompts], salts
 
 
+def _one_per_prompt(given: Any, kind: type, n: int, name: str) -> list:
+    """The argument `name`, `given` (None: kind's defaults; one `kind`; or one per prompt),
+    as a list of n.
+
+    Raises:
+        ValueError: a list whose length is not n.
+    """
+    if given is None or isinstance(given, kind):
+        return [given or kind()] * n
+    out = list(given)
+    if len(out) != n:
+        raise ValueError(
+            f"Got {len(out)} {name} for {n} prompts: give one {kind.__name__} or one per prompt."
+        )
+    return out
+
+
 def _with_salts(
     sampling_params: SamplingParams | Sequence[SamplingParams] | None, salts: list[str | None]
 ) -> list[SamplingParams]:
     """One SamplingParams per prompt, with the prompt's own cache_salt where it has one."""
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        sampling_params = [sampling_params or SamplingParams()] * len(salts)
-    params = list(sampling_params)
-    if len(params) != len(salts):  # _generate names the mismatch
-        return params
+    params = _one_per_prompt(sampling_params, SamplingParams, len(salts), "sampling_params")
     pairs = zip(params, salts, strict=True)
     return [p if s is None else dataclasses.replace(p, cache_salt=s) for p, s in pairs]
 
