@@ -11,8 +11,6 @@ through the official client, vLLM's extras in extra_body.
 
 from __future__ import annotations
 
-import shutil
-import sys
 import typing
 
 import httpx
@@ -22,7 +20,6 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from tests.serve_process import start_server
 
-from conveyor.model import demo
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.request_fields import CHAT_REFUSED, NO_OP_HINTS, REFUSED, TEMPLATE_FIELDS
 
@@ -81,12 +78,10 @@ NAME, ALIAS = "org/tiny", "tiny-alias"  # a slash: /v1/models/{id} takes it
 @pytest.fixture(scope="module")
 def server(demo_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-fields")
-    version = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    cached = tmp / "cache" / f"demo-llama-v{demo.DEMO_RECIPE_VERSION}-{version}"
-    shutil.copytree(demo_model_dir, cached)
-    args = ["--served-model-name", NAME, ALIAS, "--api-key", KEY, "--num-kv-blocks", "160"]
+    args = ["--model", str(demo_model_dir), "--served-model-name", NAME, ALIAS]
+    args += ["--api-key", KEY, "--num-kv-blocks", "160"]
     args += ["--max-num-seqs", "8", "--trust-request-chat-template"]
-    proc = start_server(args, tmp, env={"CONVEYOR_CACHE_DIR": str(tmp / "cache")})
+    proc = start_server(args, tmp)
     yield proc
     proc.stop()
 
