@@ -238,7 +238,7 @@ def load_model(
     try:
         if gguf_file is not None:
             _log_gguf_paths(gguf_file, kernels is not None)
-        _assign_weights(model, tensors, dtype, device, shard, kernels, linear_dtype or dtype)
+        _assign_weights(model, tensors, dtype, device, shard, kernels, linear_dtype)
     finally:
         if gguf_file is not None:
             release_gguf()
@@ -335,8 +335,8 @@ def _assign_weights(
         if shard is not None:
             views = [shard.slice(n, v) for (n, _), v in zip(sources, views, strict=True)]
         owner = model.get_submodule(name.rpartition(".")[0])
-        as_dtype = linear_dtype if isinstance(owner, (nn.Linear, nn.Embedding)) else dtype
-        as_dtype = as_dtype or dtype
+        weights = isinstance(owner, (nn.Linear, nn.Embedding))
+        as_dtype = (linear_dtype or dtype) if weights else dtype
         tensor = views[0] if len(views) == 1 else _cat_as(views, as_dtype, device)
         value = _set_parameter(model, name, expected[name], tensor, as_dtype, device)
         for (_, source), view in zip(sources, views, strict=True):
