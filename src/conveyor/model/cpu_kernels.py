@@ -2,8 +2,9 @@
 ctypes: the paged attention of the "cpu" attention backend (csrc/paged_attention.c), RMSNorm
 with its residual add fused in (csrc/rms_norm.c), the rotary embedding in place
 (csrc/rotary.c), the gated MLP's silu(gate) * up (csrc/silu_mul.c), the sampler's
-row-wise argmax (csrc/argmax.c) and the linear layers of linear_backend "cpu" (csrc/linear.c,
-weights packed by conveyor.model.linear.CpuLinear).
+row-wise argmax (csrc/argmax.c), the linear layers of linear_backend "cpu" (csrc/linear.c,
+weights packed by conveyor.model.linear.CpuLinear) and every decoder layer of a step in one
+call on those kernels (csrc/decoder_layers.c, wrapped by conveyor.model.fused_layers).
 
 Why C and not torch: a step's attention in torch must first copy every request's K and V
 out of the paged cache into a padded tensor (one gather per layer), then run SDPA on the
@@ -69,6 +70,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_quantize_q8a_f32": (_QUANTIZE_ARGS, None),
     "conveyor_quant_linear_f32": (_QUANT_LINEAR_ARGS, ctypes.c_int),
     "conveyor_quant_rows_f32": (_QUANT_ROWS_ARGS, ctypes.c_int),
+    # every decoder layer of a step (conveyor.model.fused_layers wraps it)
+    "conveyor_decoder_layers": ([_P, _I32, *[_P] * 10], ctypes.c_int),
 }
 # Output columns per panel of a packed weight (csrc/linear.c's NR).
 LINEAR_PANEL = 16

@@ -30,6 +30,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.model import cpu_kernels
 from conveyor.model.attention import AttentionMetadata, build_attention_metadata
 from conveyor.model.demo import demo_model_path
+from conveyor.model.fused_layers import FusedLayers
 from conveyor.model.kv_cache import (
     allocate_kv_caches,
     available_memory_bytes,
@@ -174,6 +175,10 @@ class ModelRunner:
             if kernels is not None and self.dtype == torch.float32:
                 use_cpu_kernels(self.model, kernels)
                 argmax = kernels.argmax
+                if hasattr(self.model, "fused_layers"):
+                    self.model.fused_layers = FusedLayers.build(self.model, kernels)
+                    if self.model.fused_layers is not None:
+                        logger.info("Decoder layers: one C call a step (csrc/decoder_layers.c).")
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         if profile:
