@@ -94,11 +94,6 @@ class ReasoningStream:
         self._state = "deciding"
         self._held = ""
 
-    @property
-    def in_reasoning(self) -> bool:
-        """Whether text fed now would be reasoning (or may be: still deciding)."""
-        return self._state != "content"
-
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning delta, content delta) after `text` more of the answer."""
         if self._state == "content":
