@@ -149,6 +149,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="let requests bring their own chat template (off: such requests get 400)")  # fmt: skip
     add("--tool-call-parser", metavar="NAME", help="the tool-call format: hermes (Qwen2.5/3), "
         "llama3_json, mistral or generic (default: the chat template's)")  # fmt: skip
+    add("--reasoning-parser", metavar="NAME", help="split <think>...</think> off chat answers "
+        "as reasoning_content: deepseek_r1, qwen3, think or none (default: the chat "
+        "template's; none if it has no <think>)")  # fmt: skip
     add("--metrics-require-api-key", action=argparse.BooleanOptionalAction, default=None,
         help="with --api-key, /metrics needs the key too (default: open)")  # fmt: skip
     add("--shutdown-timeout", type=float, metavar="S", help="grace period on SIGTERM (10)")

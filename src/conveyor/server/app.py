@@ -38,6 +38,7 @@ from conveyor.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from conveyor.server.reasoning import choose_reasoning_parser
 from conveyor.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from conveyor.server.streaming import until_disconnected
 from conveyor.server.tenancy import TenantSalt, bearer_credentials
@@ -115,6 +116,9 @@ def build_app(
         max_prompts=config.max_prompts_per_request,
         trust_request_chat_template=config.trust_request_chat_template,
         tool_call_parser=config.tool_call_parser,
+        reasoning_parser=choose_reasoning_parser(
+            config.reasoning_parser, getattr(engine, "tokenizer", None)
+        ),
     )
     app.state.ctx = ctx
 

@@ -16,6 +16,7 @@ from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_fla
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import ChatCompletionRequest
+from conveyor.server.reasoning import ReasoningParser, ReasoningStream, constraint_refusal
 from conveyor.server.request_fields import template_fields
 from conveyor.server.responses import (
     ChatCompletionResponse,
@@ -66,6 +67,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         template = nested if isinstance(nested, str) else None
     tool_format = ctx.tool_format(template)
     tools = tool_setup(req.tools, req.tool_choice, tool_format, req.parallel_tool_calls)
+    reasoning = ctx.reasoning(req.chat_template_kwargs, template)
+    if reasoning is not None:
+        _refuse_constraints(req, tools, reasoning)
     forced = await checked_tool_constraint(tools)
     if forced is not None:
         if requested_structured_outputs(req)[0] is not None:
@@ -112,6 +116,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             include_usage,
             continuous_usage,
             tools,
+            reasoning,
         )
         return sse_response(events)
 
@@ -124,13 +129,22 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     assert final is not None  # a stream always ends with a finished output
     choices = []
     for c in final.outputs:
-        content, calls, finish_reason = c.text, [], c.finish_reason
+        thinking, text = None, c.text
+        if reasoning is not None:  # tool calls are read from the answer after its thinking
+            thinking, text = reasoning.split(text)
+            thinking = thinking or None
+        content, calls, finish_reason = text, [], c.finish_reason
         if tools is not None:
-            content, calls, finish_reason = tools.read(c.text, c.finish_reason)
+            content, calls, finish_reason = tools.read(text, c.finish_reason)
+        if thinking is not None and not content:
+            content = None
+        message = ChatResponseMessage(
+            content=content, tool_calls=calls, reasoning_content=thinking, reasoning=thinking
+        )
         choices.append(
             ChatCompletionResponseChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=content, tool_calls=calls),
+                message=message,
                 logprobs=None
                 if top is None or c.logprobs is None
                 else chat_logprobs(c.token_ids, c.logprobs, top),
@@ -148,6 +162,20 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return JSONResponse(body.model_dump())
 
 
+def _refuse_constraints(
+    req: ChatCompletionRequest, tools: ToolSetup | None, reasoning: ReasoningParser
+) -> None:
+    """400 for an output constraint on a request whose thinking is split off: a grammar
+    would constrain the thinking too (server/reasoning.py's docstring)."""
+    param = requested_structured_outputs(req)[1]
+    if param is None and tools is not None and tools.mode in ("required", "named"):
+        param = "tool_choice"
+    elif param is None and tools is not None and tools.mode == "auto" and tools.generic:
+        param = "tools"  # the generic format's text-or-call grammar
+    if param is not None:
+        raise APIError(constraint_refusal(reasoning, param), param=param)
+
+
 def _stream(
     ctx: ServingContext,
     request_id: str,
@@ -158,11 +186,12 @@ def _stream(
     include_usage: bool,
     continuous_usage: bool,
     tools: ToolSetup | None = None,
+    reasoning: ReasoningParser | None = None,
 ) -> AsyncIterator[str]:
     """The request's SSE events: every choice's role first, then its text."""
     events = partial(
         _ChatEvents, request_id, ctx.model_name, num_prompt_tokens, continuous_usage, n, top,
-        tools,
+        tools, reasoning,
     )  # fmt: skip
     return stream_choices(events, [stream], n, include_usage)
 
@@ -180,6 +209,7 @@ class _ChatEvents(ChunkEvents):
         n: int,
         top: int | None,
         tools: ToolSetup | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self._chunks = ChatChunks(
             request_id, int(time.time()), model, num_prompt_tokens, continuous_usage
@@ -196,6 +226,11 @@ class _ChatEvents(ChunkEvents):
             if tools is not None and tools.mode in ("auto", "required")
             else []
         )
+        # With a reasoning parser each choice's text is split first: the thinking streams as
+        # reasoning_content deltas, what follows </think> goes on as content (and tool calls).
+        self._reasoning: list[ReasoningStream] = (
+            [reasoning.stream() for _ in range(n)] if reasoning is not None else []
+        )
 
     def openings(self) -> list[str]:
         # The first chunk of every choice carries the role, before any token is made.
@@ -203,6 +238,12 @@ class _ChatEvents(ChunkEvents):
 
     def choice(self, index: int, text: str, output: CompletionOutput, num_generated: int) -> str:
         finish = output.finish_reason
+        thinking = ""
+        if self._reasoning:
+            thinking, text = self._reasoning[index].feed(text)
+            if finish is not None:
+                more_thinking, rest = self._reasoning[index].finish()
+                thinking, text = thinking + more_thinking, text + rest
         if self._tools is not None and self._tools.mode == "named":
             # The name is known from the start: stream the arguments as they come, OpenAI's
             # way (the first delta carries the call's id and name).
@@ -219,16 +260,24 @@ class _ChatEvents(ChunkEvents):
                 text, calls = text + rest, calls + more
                 finish = "tool_calls" if made_calls else finish
             if calls:
-                return self._chunks.tool_calls(index, text or None, calls, finish, num_generated)
-            if not text and finish is None:
+                return self._chunks.tool_calls(
+                    index, text or None, calls, finish, num_generated, thinking or None
+                )
+            if not text and not thinking and finish is None:
                 return ""  # held back: it may be the start of a call
-        # OpenAI's last chunk has an empty delta unless it still carries text.
-        content = text if text or finish is None else None
         logprobs = None
         if self._top is not None and output.logprobs is not None:
             logprobs = chat_logprobs(output.token_ids, output.logprobs, self._top)
+        if self._reasoning:
+            # Content only once the answer has some: the thinking's chunks carry none.
+            content = text or None
+            if not (content or thinking or finish or logprobs):
+                return ""  # held back: the start of a tag, not yet known
+        else:
+            # OpenAI's last chunk has an empty delta unless it still carries text.
+            content = text if text or finish is None else None
         return self._chunks.choice(
-            index, content, logprobs, finish, stop_reason(output), num_generated
+            index, content, logprobs, finish, stop_reason(output), num_generated, thinking or None
         )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from conveyor.engine.config import EngineConfig
 from conveyor.model.checkpoint import check_checkpoint
+from conveyor.server.reasoning import REASONING_PARSER_CHOICES
 from conveyor.server.tenancy import TenantSalt
 from conveyor.server.tool_parsers import TOOL_CALL_PARSERS
 from conveyor.validation import check_choice, check_int, check_number, check_positive_int
@@ -62,6 +63,10 @@ class ServerConfig:
     # The tool-call format (server/tool_parsers.py): how tools reach the model and how
     # `tool_choice: "auto"` reads its calls; None: the one the chat template teaches.
     tool_call_parser: str | None = None
+    # How a chat answer's <think>…</think> part becomes `reasoning_content`
+    # (server/reasoning.py): deepseek_r1, qwen3, think, or none (no split); None: the one
+    # the chat template calls for (none if it has no <think> tags).
+    reasoning_parser: str | None = None
     # The engine in its own process: streaming work never holds up a step through the GIL.
     engine_process: bool = True
     # With data_parallel_size > 1: a replica whose engine died fails only its own requests and
@@ -120,6 +125,8 @@ class ServerConfig:
                 )
         if self.tool_call_parser is not None:
             check_choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_CALL_PARSERS))
+        if self.reasoning_parser is not None:
+            check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSER_CHOICES)
         names = self.served_model_name
         if names is not None:
             listed = [names] if isinstance(names, str) else names

@@ -18,6 +18,7 @@ from conveyor.server.chat_template import template_kwargs as checked_template_kw
 from conveyor.server.errors import APIError
 from conveyor.server.offload import INLINE_CHARS, maybe_off_loop, off_loop
 from conveyor.server.protocol import ChatMessage
+from conveyor.server.reasoning import ReasoningParser, thinking_disabled
 from conveyor.server.request_fields import add_template_fields
 from conveyor.server.tool_fallback import fallback_messages
 from conveyor.server.tool_parsers import detect_tool_format
@@ -40,6 +41,8 @@ class ServingContext:
     trust_request_chat_template: requests may bring their own chat template.
     tool_call_parser: the tool-call format (server/tool_parsers.py; None: the chat
         template's, `detect_tool_format`).
+    reasoning_parser: how chat answers' thinking is split off (server/reasoning.py; None:
+        no split), chosen at start-up from --reasoning-parser or the tokenizer's template.
     """
 
     engine: AsyncLLM
@@ -51,6 +54,7 @@ class ServingContext:
     max_prompts: int | None = None
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: ReasoningParser | None = None
 
     @property
     def served_names(self) -> list[str]:
@@ -147,6 +151,23 @@ class ServingContext:
         if chat_template is None:
             chat_template = self.engine.tokenizer.chat_template_text
         return detect_tool_format(chat_template)
+
+    def reasoning(
+        self, template_kwargs: dict[str, Any] | None, chat_template: str | None = None
+    ) -> ReasoningParser | None:
+        """The reasoning parser of a chat request: the server's, unless the request turned
+        thinking off through a variable its template reads (`thinking_disabled`).
+
+        Args:
+            template_kwargs: the request's chat_template_kwargs.
+            chat_template: the request's own template (None: the tokenizer's).
+        """
+        if self.reasoning_parser is None:
+            return None
+        source = chat_template or self.template_source({})
+        if thinking_disabled(template_kwargs, source):
+            return None
+        return self.reasoning_parser
 
     async def render_chat(
         self,

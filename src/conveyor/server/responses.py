@@ -138,6 +138,9 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[dict[str, object]] = Field(default_factory=list)
+    # The answer's thinking (server/reasoning.py), under vLLM's older name and its newer one.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -162,6 +165,8 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, object]] | None = None
+    reasoning_content: str | None = None  # sent (with `reasoning`) only while it thinks
+    reasoning: str | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

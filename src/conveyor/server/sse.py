@@ -164,10 +164,14 @@ class ChatChunks(_Chunks):
         calls: list[dict[str, Any]],
         finish_reason: str | None,
         num_generated: int,
+        reasoning: str | None = None,
     ) -> str:
-        """An event carrying tool-call deltas (each with its `index`: its own, or its place)."""
+        """An event carrying tool-call deltas (each with its `index`: its own, or its place),
+        and the end of the thinking before them if this output holds it."""
         deltas = [c if "index" in c else {"index": i, **c} for i, c in enumerate(calls)]
         delta = DeltaMessage(content=content, tool_calls=deltas)
+        if reasoning is not None:
+            delta.reasoning_content = delta.reasoning = reasoning
         choice = ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish_reason)
         return self._model_event(choice, num_generated)
 
@@ -179,23 +183,33 @@ class ChatChunks(_Chunks):
         finish_reason: str | None,
         stop_reason: int | str | None,
         num_generated: int,
+        reasoning: str | None = None,
     ) -> str:
         """The event of one choice's new text.
 
         Args:
             content: None sends an empty delta (a last event without text).
             stop_reason: sent only together with a finish_reason, as vLLM does.
+            reasoning: new thinking (server/reasoning.py), sent as `reasoning_content` and
+                `reasoning`; None sends neither.
         """
         plain = _plain("" if content is None else content, finish_reason, stop_reason)
+        plain = plain and (reasoning is None or type(reasoning) is str)
         if logprobs is not None or not plain:
             delta = DeltaMessage() if content is None else DeltaMessage(content=content)
+            if reasoning is not None:
+                delta.reasoning_content = delta.reasoning = reasoning
             choice = ChatCompletionStreamChoice(
                 index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
             )
             if finish_reason is not None:
                 choice.stop_reason = stop_reason
             return self._model_event(choice, num_generated)
-        delta = "{}" if content is None else f'{{"content":{_string(content)}}}'
+        fields = [] if content is None else [f'"content":{_string(content)}']
+        if reasoning is not None:
+            thought = _string(reasoning)
+            fields += [f'"reasoning_content":{thought}', f'"reasoning":{thought}']
+        delta = "{" + ",".join(fields) + "}"
         encoded = f'{{"index":{index},"delta":{delta},"logprobs":null,"finish_reason":'
         if finish_reason is None:
             encoded += "null}"
