@@ -101,8 +101,8 @@ def _run(args: argparse.Namespace, model: str) -> dict:
         best = min(times[name])
         out[name] = {
             "threads_per_rank": setups[name][1],
-            "seconds": round(best, 3),
-            "all_seconds": [round(t, 3) for t in times[name]],
+            "seconds": round(best, 6),
+            "all_seconds": [round(t, 6) for t in times[name]],
             "output_tokens_per_s": round(total / best, 1),
         }
     out["speedup_tp2_vs_tp1_1thread"] = round(min(times["tp1_1thread"]) / min(times["tp2"]), 3)
