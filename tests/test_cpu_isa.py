@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # portable: the kernels against torch, the linears (the portable GEMM, and auto picking
 # oneDNN), the quantized GGUF linears' plain C dot products, and one family's exact greedy
 # parity with transformers through the whole model. avx2: the AVX2 paths without AVX-512
-# (the quantized dot products' maddubs instead of VNNI's dpbusd), as on a Zen 3.
+# (the quantized dot products' 256-bit maddubs), as on a Zen 3. avx512 (x86-64-v4: AVX-512BW
+# without VNNI): the quantized dot products' 512-bit maddubs, as on a Skylake-X. The default
+# build on a CPU with AVX-512 VNNI (this project's Zen 4/5) takes the 512-bit dpbusd paths in
+# every other test.
 ISA_TESTS = {
     "portable": [
         "tests/test_cpu_kernels.py",
@@ -30,6 +33,7 @@ ISA_TESTS = {
         "tests/test_parity.py::test_greedy_parity_with_ample_kv[llama]",
     ],
     "avx2": ["tests/test_quant_linear.py", "tests/test_linear.py"],
+    "avx512": ["tests/test_quant_linear.py", "tests/test_fused_layers.py"],
 }
 
 
@@ -39,6 +43,8 @@ ISA_TESTS = {
 def test_a_lower_instruction_set_passes_the_kernel_linear_and_parity_tests(isa):
     if isa == "avx2" and not cpu_build.cpu_flags() >= cpu_build._X86_V3:
         pytest.skip("this CPU has no AVX2")
+    if isa == "avx512" and not cpu_build.cpu_flags() >= cpu_build._X86_V4:
+        pytest.skip("this CPU has no AVX-512BW")
     env = {**os.environ, "CONVEYOR_CPU_ISA": isa}
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *ISA_TESTS[isa]]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -17,6 +17,11 @@ lower one, for CPUs without AVX2 or to test the portable paths on a machine that
     avx2               -march=x86-64-v3            (refused)        AVX2 + FMA
     avx512             -march=x86-64-v4            (refused)        AVX2 + FMA, AVX-512 for
                                                                     what the compiler vectorises
+                                                                    and the GGUF dot products
+                                                                    (512-bit maddubs: no VNNI)
+
+The default build on a CPU with AVX-512 VNNI (Zen 4, Ice Lake and later) takes 512-bit dpbusd
+for the GGUF dot products; each lower path is tested on such a CPU (tests/test_cpu_isa.py).
 
 Asking for an instruction set this CPU lacks is a ValueError (its code would die on an
 illegal instruction), as is an unknown name.

@@ -75,6 +75,44 @@ static inline __m256i quad(const int8_t *q, int g)
     return _mm256_set1_epi32(v);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define CONVEYOR_AVX512 1
+
+/* The 512-bit forms, for two 32-byte quad runs of an interleaved group loaded at once (runs
+ * g and g + 1: lanes 0-7 hold run g's eight rows, lanes 8-15 run g + 1's). dpbusd where the
+ * build has AVX-512 VNNI, else AVX-512BW's maddubs + madd: the same integer sums. */
+static inline __m512i dot_acc512(__m512i acc, __m512i u, __m512i s)
+{
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
+                                                   _mm512_set1_epi16(1)));
+#endif
+}
+
+/* A block's 32 activation quants in the low half of a register (the upper half unused). */
+static inline __m512i quads512(const int8_t *q)
+{
+    return _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q));
+}
+
+/* Activation quants 4 g .. 4 g + 3 in lanes 0-7 and 4 g + 4 .. 4 g + 7 in lanes 8-15, from
+ * quads512's register: the two runs' activations side by side, as the weights are. */
+static inline __m512i quad2(__m512i qx, int g)
+{
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32(g)), qx);
+}
+
+/* The eight rows' sums: lanes i and i + 8 added. */
+static inline __m256i halves_sum(__m512i v)
+{
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+#endif
+
 #endif
 
 /* quant_x8.c: bytes per block of an interleaved group of eight rows (0: not such a type);

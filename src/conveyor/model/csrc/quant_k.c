@@ -139,6 +139,34 @@ group_dot_q45k_impl(const int qtype, const uint8_t *w, int64_t nsb, const q8a_bl
         const __m256 d = halves8(sb), dmin = halves8(sb + 16);
         for (int c = 0; c < 4; c++) {
             const int j0 = 2 * c, j1 = 2 * c + 1;
+#ifdef CONVEYOR_AVX512
+            /* two quad runs per 512-bit load (quant_blocks.h's quad2) */
+            const __m512i nib5 = _mm512_set1_epi8(15), one5 = _mm512_set1_epi8(1);
+            const __m512i xa = quads512(x[j0].q), xb = quads512(x[j1].q);
+            const __m512i xa2 = x2 ? quads512(x2[j0].q) : xa, xb2 = x2 ? quads512(x2[j1].q) : xb;
+            __m512i a5 = _mm512_setzero_si512(), b5 = a5, a25 = a5, b25 = a5;
+            for (int g = 0; g < 8; g += 2) {
+                const __m512i v = _mm512_loadu_si512(qs + 256 * c + 32 * g);
+                __m512i lo = _mm512_and_si512(v, nib5);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib5);
+                if (qtype == Q5_K) {
+                    const __m512i h = _mm512_loadu_si512(sb + K_QH + 32 * g);
+                    const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(h, j0), one5);
+                    const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(h, j1), one5);
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(h0, 4));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(h1, 4));
+                }
+                a5 = dot_acc512(a5, lo, quad2(xa, g));
+                b5 = dot_acc512(b5, hi, quad2(xb, g));
+                if (x2) {
+                    a25 = dot_acc512(a25, lo, quad2(xa2, g));
+                    b25 = dot_acc512(b25, hi, quad2(xb2, g));
+                }
+            }
+            const __m256i a = halves_sum(a5), b = halves_sum(b5);
+            const __m256i a2 = halves_sum(a25), b2 = halves_sum(b25);
+            (void)nib, (void)one;
+#else
             __m256i a = _mm256_setzero_si256(), b = a, a2 = a, b2 = a;
             for (int g = 0; g < 8; g++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 256 * c + 32 * g));
@@ -158,6 +186,7 @@ group_dot_q45k_impl(const int qtype, const uint8_t *w, int64_t nsb, const q8a_bl
                     b2 = dot_acc(b2, hi, quad(x2[j1].q, g));
                 }
             }
+#endif
             const __m256 s0 = _mm256_mul_ps(d, bytes8(sb + K_SC + 8 * j0, 0));
             const __m256 s1 = _mm256_mul_ps(d, bytes8(sb + K_SC + 8 * j1, 0));
             const __m256 m0 = _mm256_mul_ps(dmin, bytes8(sb + K_MIN + 8 * j0, 0));
@@ -209,6 +238,26 @@ static inline __attribute__((always_inline)) __m256 q6_block(const uint8_t *sb, 
 {
     const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
     const uint8_t *ql = sb + Q6_QL + 512 * h + 256 * (b & 1), *qh = sb + Q6_QH + 256 * h;
+#ifdef CONVEYOR_AVX512
+    /* two quad runs per 512-bit load: runs 0-3 are the first 16 weights, 4-7 the second */
+    const __m512i nib5 = _mm512_set1_epi8(15), three5 = _mm512_set1_epi8(3);
+    const __m512i xq = quads512(x->q);
+    __m512i lo5 = _mm512_setzero_si512(), hi5 = lo5;
+    for (int g = 0; g < 8; g += 2) {
+        const __m512i v = _mm512_loadu_si512(ql + 32 * g);
+        const __m512i bits = _mm512_loadu_si512(qh + 32 * g);
+        const __m512i low = b < 2 ? _mm512_and_si512(v, nib5)
+                                  : _mm512_and_si512(_mm512_srli_epi16(v, 4), nib5);
+        const __m512i top = _mm512_and_si512(_mm512_srli_epi16(bits, 2 * b), three5);
+        const __m512i q = _mm512_or_si512(low, _mm512_slli_epi16(top, 4));
+        if (g < 4)
+            lo5 = dot_acc512(lo5, q, quad2(xq, g));
+        else
+            hi5 = dot_acc512(hi5, q, quad2(xq, g));
+    }
+    __m256i lo = halves_sum(lo5), hi = halves_sum(hi5);
+    (void)nib, (void)three;
+#else
     __m256i lo = _mm256_setzero_si256(), hi = lo;
     for (int g = 0; g < 8; g++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * g));
@@ -222,6 +271,7 @@ static inline __attribute__((always_inline)) __m256 q6_block(const uint8_t *sb, 
         else
             hi = dot_acc(hi, q, quad(x->q, g));
     }
+#endif
     lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(offset16(x->q)));
     hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(offset16(x->q + 16)));
     const int8_t *sc = (const int8_t *)sb + Q6_SC + 8 * (8 * h + 2 * b);

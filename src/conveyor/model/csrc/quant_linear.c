@@ -26,9 +26,12 @@
  *
  * The integer dot: AVX2 `maddubs` (unsigned 4-bit x signed 8-bit into int16 pairs, then
  * `madd` into int32; Q8_0's signed weights through the sign trick |w| x sign(qx, w)), or
- * AVX-512 VNNI's `dpbusd` (the same in one instruction) where the build has it; a plain C
- * loop otherwise (the portable build). All three give the same integer sums; the float scale
- * products are summed per block in order, so results agree across builds to fp32 rounding.
+ * AVX-512 VNNI's `dpbusd` (the same in one instruction; Q8_0 as (qx + 128) w less 128 sum(w),
+ * since dpbusd does not saturate) where the build has it, on 512-bit registers (two quad runs
+ * of a group per load) where the build has AVX-512BW, with maddubs there when it lacks VNNI;
+ * a plain C loop otherwise (the portable build). All give the same integer sums; the float
+ * scale products are summed per block in order, so results agree across builds to fp32
+ * rounding.
  *
  * The activation quantization is the only approximation beyond the file's own: at most half
  * a step of the last pass per element of x (tests/test_quant_linear.py states the tolerance).

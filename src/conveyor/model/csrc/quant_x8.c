@@ -34,6 +34,49 @@ static inline int header_bytes(int qtype) { return qtype == Q4_1 ? 32 : 16; }
 
 #if defined(CONVEYOR_AVX2) && defined(__F16C__)
 
+#ifdef CONVEYOR_AVX512
+
+/* The block's eight integer sums against one activation block's quants, two quad runs per
+ * 512-bit load (quant_blocks.h's quad2), the halves added at the end. */
+static inline __attribute__((always_inline)) __m256i block_isums(int qtype, const uint8_t *q, const int8_t *qx)
+{
+    const __m512i x = quads512(qx);
+    __m512i isum = _mm512_setzero_si512();
+    if (qtype == Q8_0) {
+#ifdef __AVX512VNNI__
+        /* qx + 128 (unsigned) times the signed weights, less 128 times the weights' sums:
+         * dpbusd does not saturate, so no per-weight sign juggling is needed */
+        const __m512i xu = _mm512_xor_si512(x, _mm512_set1_epi8(-128));
+        __m512i wsum = _mm512_setzero_si512();
+        for (int g = 0; g < 8; g += 2) {
+            const __m512i w = _mm512_loadu_si512(q + 32 * g);
+            isum = _mm512_dpbusd_epi32(isum, quad2(xu, g), w);
+            wsum = _mm512_dpbusd_epi32(wsum, _mm512_set1_epi8(-128), w);
+        }
+        isum = _mm512_sub_epi32(isum, wsum);
+#else
+        /* maddubs saturates its int16 pairs: unsigned |w| times qx carrying w's sign */
+        for (int g = 0; g < 8; g += 2) {
+            const __m512i w = _mm512_loadu_si512(q + 32 * g), xg = quad2(x, g);
+            const __mmask64 neg = _mm512_movepi8_mask(w);
+            isum = dot_acc512(isum, _mm512_abs_epi8(w),
+                              _mm512_mask_sub_epi8(xg, neg, _mm512_setzero_si512(), xg));
+        }
+#endif
+    } else {
+        const __m512i nib = _mm512_set1_epi8(15);
+        for (int g = 0; g < 4; g += 2) {
+            const __m512i v = _mm512_loadu_si512(q + 32 * g);
+            isum = dot_acc512(isum, _mm512_and_si512(v, nib), quad2(x, g));
+            isum = dot_acc512(isum, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib),
+                              quad2(x, 4 + g));
+        }
+    }
+    return halves_sum(isum);
+}
+
+#else
+
 /* The block's eight integer sums against one activation block's quants. */
 static inline __attribute__((always_inline)) __m256i block_isums(int qtype, const uint8_t *q, const int8_t *qx)
 {
@@ -54,6 +97,8 @@ static inline __attribute__((always_inline)) __m256i block_isums(int qtype, cons
     }
     return isum;
 }
+
+#endif
 
 /* Eight rows' dot products (one group) with one activation row of nb blocks; inlined into
  * one copy per type and pass count (constant flags, no branches in the loop). */
