@@ -83,7 +83,9 @@ def _quantize(x: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]
 
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("qtype", list(QUANT_TYPES))
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 64), (5, 200, 576), (33, 17, 96)])
+@pytest.mark.parametrize(
+    ("rows", "n", "k"), [(1, 40, 64), (5, 200, 576), (6, 24, 64), (7, 9, 96), (33, 17, 96)]
+)
 def test_quant_linear_matches_its_dequantized_weight(kernels, qtype, rows, n, k, passes):
     k = width(qtype, k)
     weight = random_blocks(qtype, n, k, seed=rows + n)
@@ -102,6 +104,20 @@ def test_quant_linear_matches_its_dequantized_weight(kernels, qtype, rows, n, k,
     assert torch.all((got - exact).abs() <= bound * 1.001 + 2e-5)
     if passes == 2:  # two passes: about 254x closer to fp32 than one
         assert (got - exact).abs().max() < 0.05 * (x.abs().max() / 254 * w.abs().sum(1).max())
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, qtype, passes):
+    """The kernel takes several activation rows per pass over a weight group: each row's
+    output is bit for bit the one it gets alone (a decode step's batch does not change it)."""
+    k = width(qtype, 96)
+    layer = QuantLinear([random_blocks(qtype, 19, k, seed=3)], None, kernels, passes=passes)
+    x = torch.randn(GEMM_ROWS - 1, k, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        together = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(together, alone)
 
 
 def test_a_prefill_gemm_slices_the_weight_and_adds_the_bias(kernels, monkeypatch):

@@ -233,31 +233,13 @@ static inline int32_t offset16(const int8_t *q)
     return 32 * (_mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4) - 16 * 128);
 }
 
-/* One activation block's contribution for block b (< 4) of half h, eight rows. */
+/* One activation block's contribution for block b (< 4) of half h, eight rows. 256-bit
+ * even where the build has AVX-512: two runs per 512-bit load measured slower here for a
+ * single activation row (and no faster for sixteen). */
 static inline __attribute__((always_inline)) __m256 q6_block(const uint8_t *sb, int h, int b, const q8a_block *x, __m256 d)
 {
     const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
     const uint8_t *ql = sb + Q6_QL + 512 * h + 256 * (b & 1), *qh = sb + Q6_QH + 256 * h;
-#ifdef CONVEYOR_AVX512
-    /* two quad runs per 512-bit load: runs 0-3 are the first 16 weights, 4-7 the second */
-    const __m512i nib5 = _mm512_set1_epi8(15), three5 = _mm512_set1_epi8(3);
-    const __m512i xq = quads512(x->q);
-    __m512i lo5 = _mm512_setzero_si512(), hi5 = lo5;
-    for (int g = 0; g < 8; g += 2) {
-        const __m512i v = _mm512_loadu_si512(ql + 32 * g);
-        const __m512i bits = _mm512_loadu_si512(qh + 32 * g);
-        const __m512i low = b < 2 ? _mm512_and_si512(v, nib5)
-                                  : _mm512_and_si512(_mm512_srli_epi16(v, 4), nib5);
-        const __m512i top = _mm512_and_si512(_mm512_srli_epi16(bits, 2 * b), three5);
-        const __m512i q = _mm512_or_si512(low, _mm512_slli_epi16(top, 4));
-        if (g < 4)
-            lo5 = dot_acc512(lo5, q, quad2(xq, g));
-        else
-            hi5 = dot_acc512(hi5, q, quad2(xq, g));
-    }
-    __m256i lo = halves_sum(lo5), hi = halves_sum(hi5);
-    (void)nib, (void)three;
-#else
     __m256i lo = _mm256_setzero_si256(), hi = lo;
     for (int g = 0; g < 8; g++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * g));
@@ -271,7 +253,6 @@ static inline __attribute__((always_inline)) __m256 q6_block(const uint8_t *sb, 
         else
             hi = dot_acc(hi, q, quad(x->q, g));
     }
-#endif
     lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(offset16(x->q)));
     hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(offset16(x->q + 16)));
     const int8_t *sc = (const int8_t *)sb + Q6_SC + 8 * (8 * h + 2 * b);
