@@ -15,6 +15,7 @@ from tests.hf_checkpoints import write_checkpoint
 from conveyor import LLM, SamplingParams
 from conveyor.model import cpu_kernels
 from conveyor.model.fused_layers import FusedLayers
+from conveyor.model.quant_linear import GEMM_ROWS
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
 
@@ -67,7 +68,8 @@ def test_one_call_for_every_layer_is_bit_for_bit_the_modules(case, tmp_path, tin
     got = _run(llm, fused=True)
     assert calls, "no step ran fused"
     if CASES[case][2] is not None:
-        assert max(calls) < 32  # GGUF blocks: 32+ rows take the dequantized GEMM (modules)
+        # GGUF blocks: GEMM_ROWS+ rows take the dequantized GEMM (the modules)
+        assert max(calls) < GEMM_ROWS
     assert got == _run(llm, fused=False)  # token ids and every logprob, exactly
 
 

@@ -36,10 +36,12 @@ QUANT_TYPES = {
     "Q6_K": (14, 256, 210),
 }
 BLOCK = 32  # activations are quantized per 32
-# From this many rows of x (a prefill chunk) a QuantLinear dequantizes its weight, a slice of
-# rows at a time, and multiplies in float32 (oneDNN's GEMM): the integer kernels are
-# matrix-vector products, with no reuse of a weight across rows of x.
-GEMM_ROWS = 32
+# From this many rows of x (a long prefill chunk) a QuantLinear dequantizes its weight, a slice
+# of rows at a time, and multiplies in float32 (oneDNN's GEMM). Below it the integer kernels
+# run: they cost about the same per row of x as the GEMM, but the GEMM first writes the whole
+# weight out in float32 each call, which fewer rows than this do not earn back (K-quants,
+# Q8_0, two activation passes, two AVX-512 cores; Q6_K breaks even a little above).
+GEMM_ROWS = 256
 _GEMM_SLICE = 1024  # weight rows dequantized at a time (1024 x 4096 floats: 16 MiB)
 _Q8A_BYTES = 40  # one activation block: float d, float s, int8 q[32]
 # Every kept type runs on rows interleaved eight at a time (interleave_x8): bytes per block
