@@ -138,13 +138,16 @@ HI = "Hello there"
 def demo(demo_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("responses-demo")
     args = ["--model", str(demo_model_dir), "--served-model-name", M, "--num-kv-blocks", "256"]
-    proc = start_server([*args, "--max-model-len", "2048"], tmp)
+    proc = start_server([*args, "--max-model-len", "2048", "--api-key", KEY, OTHER_KEY], tmp)
     yield proc
     proc.stop()
 
 
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+KEY, OTHER_KEY = "sk-one", "sk-two"  # the demo server's two tenants
+
+
+def _client(server, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +156,8 @@ def client(demo) -> openai.OpenAI:
 
 
 def _prompt_tokens(server, messages) -> int:
-    r = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}, timeout=60)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}, headers=auth)
     assert r.status_code == 200, r.text
     return r.json()["count"]
 
@@ -275,6 +279,12 @@ def test_previous_response_id_continues_the_conversation(demo, client) -> None:
     client.responses.delete(second.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)
+    # Another API key (tenant) sees none of them.
+    other = _client(demo, OTHER_KEY)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model=M, input=HI, previous_response_id=first.id)
     unstored = client.responses.create(model=M, input=HI, max_output_tokens=1, store=False)
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError) as info:

@@ -12,6 +12,7 @@ in server/offload.py's threads; errors go through errors.py.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -139,19 +140,30 @@ def build_app(
 
     store = ResponseStore()  # /v1/responses' stored responses (server/responses_api.py)
 
+    def owner(raw: Request) -> bytes:
+        """Whose stored responses a request may see: its tenant's, or its key's."""
+        headers = raw.scope["headers"]
+        if tenancy is not None:
+            tenant = tenancy.tenant(headers)
+        elif api_keys:
+            tenant = bearer_credentials(dict(headers).get(b"authorization", b""))
+        else:
+            return b""
+        return hashlib.sha256(b"conveyor-response-owner\x00" + tenant).digest()
+
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         if tenancy is not None:
             body.cache_salt = tenancy.cache_salt(raw.scope["headers"], body.cache_salt)
-        return await until_disconnected(raw, create_response(ctx, store, body))
+        return await until_disconnected(raw, create_response(ctx, store, body, owner(raw)))
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> Response:
-        return JSONResponse(store.get(response_id))
+    async def get_response(response_id: str, raw: Request) -> Response:
+        return JSONResponse(store.get(response_id, owner(raw)))
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> Response:
-        store.delete(response_id)
+    async def delete_response(response_id: str, raw: Request) -> Response:
+        store.delete(response_id, owner(raw))
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @app.post("/v1/embeddings")

@@ -14,8 +14,9 @@ written as Responses output items, whole or streamed (server/responses_stream.py
 `store` (OpenAI's default: true) keeps the response in memory, in a least-recently-used
 store of STORE_SIZE responses: `previous_response_id` continues its conversation (its inputs
 and outputs come before the new input; its instructions do not), GET and DELETE
-/v1/responses/{id} read and drop it. An evicted or unknown id is a 404. Nothing survives a
-restart, and data-parallel replicas share the one store of the API server.
+/v1/responses/{id} read and drop it. An evicted or unknown id is a 404, and so is another
+tenant's (with --api-key: another key's; with --cache-salt-from: another tenant's). Nothing
+survives a restart, and data-parallel replicas share the one store of the API server.
 """
 
 from __future__ import annotations
@@ -58,24 +59,28 @@ class _Stored:
     response: dict[str, Any]
     previous: str | None
     messages: list[dict[str, Any]]  # this turn's input and output, as chat messages
+    owner: bytes  # a hash of the tenant that created it (b"": a server without tenants)
 
 
 class ResponseStore:
-    """The last `size` stored responses by id, least recently used evicted first."""
+    """The last `size` stored responses by id, least recently used evicted first; each is
+    seen only by its owner (`owner`: a hash of the request's tenant, b"" without tenants)."""
 
     def __init__(self, size: int = STORE_SIZE) -> None:
         self._size = size
         self._entries: OrderedDict[str, _Stored] = OrderedDict()
 
-    def put(self, response: dict[str, Any], previous: str | None, messages: list[dict]) -> None:
-        self._entries[response["id"]] = _Stored(response, previous, messages)
+    def put(
+        self, response: dict[str, Any], previous: str | None, messages: list[dict], owner: bytes
+    ) -> None:
+        self._entries[response["id"]] = _Stored(response, previous, messages, owner)
         self._entries.move_to_end(response["id"])
         while len(self._entries) > self._size:
             self._entries.popitem(last=False)
 
-    def _entry(self, response_id: str, param: str | None = None) -> _Stored:
+    def _entry(self, response_id: str, owner: bytes, param: str | None = None) -> _Stored:
         entry = self._entries.get(response_id)
-        if entry is None:
+        if entry is None or entry.owner != owner:
             raise APIError(
                 f"No stored response with id {response_id[:80]!r} (this server keeps the last "
                 f"{self._size} responses created with store true, in memory).",
@@ -85,35 +90,39 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         return entry
 
-    def get(self, response_id: str) -> dict[str, Any]:
-        return self._entry(response_id).response
+    def get(self, response_id: str, owner: bytes) -> dict[str, Any]:
+        return self._entry(response_id, owner).response
 
-    def delete(self, response_id: str) -> None:
-        self._entry(response_id)
+    def delete(self, response_id: str, owner: bytes) -> None:
+        self._entry(response_id, owner)
         del self._entries[response_id]
 
-    def history(self, response_id: str) -> list[dict[str, Any]]:
+    def history(self, response_id: str, owner: bytes) -> list[dict[str, Any]]:
         """The messages of the conversation up to and including `response_id`'s answer."""
         turns, seen = [], set()
         next_id: str | None = response_id
         while next_id is not None and next_id not in seen:
             seen.add(next_id)
-            entry = self._entry(next_id, "previous_response_id")
+            entry = self._entry(next_id, owner, "previous_response_id")
             turns.append(entry.messages)
             next_id = entry.previous
         return [m for turn in reversed(turns) for m in turn]
 
 
 async def create_response(
-    ctx: ServingContext, store: ResponseStore, req: ResponsesRequest
+    ctx: ServingContext, store: ResponseStore, req: ResponsesRequest, owner: bytes = b""
 ) -> Response:
     """Map onto the chat path, queue, answer as a response object or as its SSE events.
+
+    Args:
+        owner: the request's tenant (hashed), whose stored responses it may continue.
 
     Raises:
         APIError / ValueError: a bad request (nothing is queued then).
     """
     req.check()
-    history = store.history(req.previous_response_id) if req.previous_response_id else []
+    previous = req.previous_response_id
+    history = store.history(previous, owner) if previous else []
     try:
         plan = await prepare_chat(ctx, to_chat_request(req, history))
     except APIError as exc:
@@ -125,7 +134,8 @@ async def create_response(
     response = _skeleton(ctx, req, response_id)
     turn = input_messages(req.input)
     if req.stream:
-        return sse_response(_events(ctx, store, req, stream, plan, response, turn), done=False)
+        events = _events(ctx, store, req, stream, plan, response, turn, owner)
+        return sse_response(events, done=False)
     final: RequestOutput | None = None
     async for out in stream:
         if final is None:
@@ -148,7 +158,7 @@ async def create_response(
         **details,
     )
     if req.store:
-        store.put(response, req.previous_response_id, turn + input_messages(response["output"]))
+        store.put(response, previous, turn + input_messages(response["output"]), owner)
     return JSONResponse(response)
 
 
@@ -160,6 +170,7 @@ async def _events(
     plan: ChatPlan,
     response: dict[str, Any],
     turn: list[dict[str, Any]],
+    owner: bytes,
 ) -> AsyncIterator[str]:
     events = ResponseEvents(response, plan.tools, plan.reasoning)
     for event in events.openings():
@@ -186,7 +197,7 @@ async def _events(
         yield event
     if req.store:
         output = events.response["output"]
-        store.put(events.response, req.previous_response_id, turn + input_messages(output))
+        store.put(events.response, req.previous_response_id, turn + input_messages(output), owner)
 
 
 def _item_status(status: str) -> str:
