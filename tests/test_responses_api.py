@@ -31,8 +31,10 @@ from tests.test_reasoning import CONTENT, REASONING, _chain_checkpoint
 from tests.test_smollm2 import GGUF
 from tests.test_tool_loops import QWEN25_TEMPLATE, _checkpoint
 
+from conveyor.engine.outputs import CompletionOutput
 from conveyor.server.reasoning import REASONING_PARSERS
 from conveyor.server.request_fields import RESPONSES_HINTS, RESPONSES_REFUSED
+from conveyor.server.responses_api import _status
 from conveyor.server.responses_protocol import ResponsesRequest, input_messages, to_chat_request
 from conveyor.server.responses_stream import ResponseEvents, output_items
 from conveyor.server.tools import tool_setup
@@ -126,6 +128,20 @@ def test_streamed_events_join_to_the_whole_answers_items(size) -> None:
     deltas = "".join(d["delta"] for d in data if d["type"].endswith("arguments.delta"))
     assert deltas == final[2]["arguments"]
     assert all(item["status"] == "completed" for item in final)
+
+
+def test_an_aborted_answer_is_a_failed_response() -> None:
+    """The engine's abort (a deadline, --request-timeout) is status "failed" with the reason;
+    streamed, the last event is response.failed and the open item is incomplete."""
+    out = CompletionOutput(0, "ab", [1, 2], finish_reason="abort", abort_reason="deadline")
+    status, details = _status(out)
+    assert status == "failed" and details["error"]["message"] == "deadline"
+    assert _status(CompletionOutput(0, "", [1], finish_reason="length"))[0] == "incomplete"
+    events = ResponseEvents({"id": "resp_1", "output": []}, None, None)
+    sent = events.feed("ab", True) + events.close(status, {}, details)
+    last = json.loads(sent[-1].split("data: ", 1)[1])
+    assert last["type"] == "response.failed" and last["response"]["error"]["message"] == "deadline"
+    assert last["response"]["output"][0]["status"] == "incomplete"
 
 
 # ---------------------------------------------------------------- the demo model
