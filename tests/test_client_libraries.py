@@ -38,7 +38,7 @@ def table(tmp_path_factory):
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
-@pytest.mark.parametrize("check", ["chat", "stream", "structured", "tool_loop"])
+@pytest.mark.parametrize("check", ["chat", "stream", "structured", "tool_loop", "responses"])
 def test_the_library_works_unmodified(table, library, check) -> None:
     assert library in table, f"{library} is not installed (the test extra pins it)"
     assert table[library][check].startswith("ok"), table[library][check]

@@ -162,7 +162,10 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatP
         _refuse_constraints(req, tools, reasoning)
     forced = await checked_tool_constraint(tools)
     if forced is not None:
-        if requested_structured_outputs(req)[0] is not None:
+        # A forced call ("required", a named function) writes no text, so a response_format
+        # has nothing to govern there (instructor sends both); with "auto" text may come, and
+        # the call grammar cannot also hold the text to a format.
+        if tools.mode == "auto" and requested_structured_outputs(req)[0] is not None:
             raise APIError(
                 f'tool_choice {tools.mode!r} with this server\'s "{tool_format}" tool-call '
                 "format constrains the output itself: send no response_format or "

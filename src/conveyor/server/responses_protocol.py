@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import ConfigDict, ValidationError
 
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import Bool, ChatCompletionRequest, Float, Int, OpenAIModel
@@ -46,7 +46,10 @@ _TEXT_PARTS = ("input_text", "output_text")
 
 
 class ResponsesRequest(OpenAIModel):
-    """POST /v1/responses (stateless unless `store`: see server/responses_api.py)."""
+    """POST /v1/responses (stateless unless `store`: see server/responses_api.py). Unknown
+    fields are refused (a 400 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
