@@ -13,6 +13,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from tests import test_tool_loops as tool_loops
 from tests.serve_process import ServeProcess
 from tests.test_smollm2 import GGUF
 
@@ -42,3 +43,36 @@ def table(tmp_path_factory):
 def test_the_library_works_unmodified(table, library, check) -> None:
     assert library in table, f"{library} is not installed (the test extra pins it)"
     assert table[library][check].startswith("ok"), table[library][check]
+
+
+@pytest.fixture(scope="module")
+def template_tables(demo_model_dir, tmp_path_factory):
+    """The tool loop of each library on checkpoints whose templates render tools themselves:
+    Qwen2.5-style (hermes `<tool_call>`) and Llama-3.1-style (JSON), the formats read from
+    the templates (tests/test_tool_loops.py builds them on the demo model's weights)."""
+    tmp = tmp_path_factory.mktemp("client-templates")
+    common = ["--num-kv-blocks", "256", "--max-model-len", "2048", "--served-model-name", "m"]
+    procs = {}
+    for name, template in (
+        ("qwen", tool_loops.QWEN25_TEMPLATE),
+        ("llama", tool_loops.LLAMA31_TEMPLATE),
+    ):
+        model = tool_loops._checkpoint(demo_model_dir, tmp / name, template)
+        procs[name] = ServeProcess(["--model", str(model), *common], tmp / f"{name}.log")
+    try:
+        tables = {}
+        for name, proc in procs.items():
+            proc.wait_ready(timeout=240)
+            tables[name] = clients.run(f"{proc.base_url}/v1", "m", list(LIBRARIES), ["tool_loop"])
+        yield tables
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize("family", ["qwen", "llama"])
+def test_the_library_tool_loop_works_on_templates_with_tools(template_tables, family, library):
+    outcome = template_tables[family][library]["tool_loop"]
+    print(family, library, outcome)
+    assert outcome.startswith("ok"), template_tables
