@@ -119,8 +119,9 @@ class CpuLinear(nn.Module):
     """y = x @ W.T + b through csrc/linear.c, W held in 16-column panels (inference only).
 
     `weight_dtype` float32 keeps W exactly; bfloat16 holds it in half the bytes (rounded to
-    nearest), each k's 16 columns interleaved as the kernel loads them (linear.c). x, b and
-    y are float32 either way.
+    nearest), as [ceil(N / 16), ceil(K / 2), 16, 2]: k in pairs, the operand vdpbf16ps
+    takes (linear.c). x, b and y are float32 either way; where the build has AVX512-BF16
+    (`kernels.linear_isa` "avx512-bf16") the kernel rounds x to bf16 for the products.
     """
 
     def __init__(
@@ -136,15 +137,18 @@ class CpuLinear(nn.Module):
         n, k = weight.shape
         panel = cpu_kernels.LINEAR_PANEL
         with torch.no_grad():
-            padded = weight.new_zeros(-(-n // panel) * panel, k, dtype=weight_dtype)
-            padded[:n] = weight.detach()
             if weight_dtype == torch.float32:
+                padded = weight.new_zeros(-(-n // panel) * panel, k, dtype=torch.float32)
+                padded[:n] = weight.detach()
                 # [panels, 16, K] -> [panels, K, 16]: each k's 16 weights side by side
-                packed = padded.view(-1, panel, k).transpose(1, 2).contiguous()
+                packed = padded.view(-1, panel, k).transpose(1, 2)
             else:
-                # [panels, 2, 8, K] -> [panels, K, 8, 2]: columns j and 8 + j in one word
-                half = panel // 2
-                packed = padded.view(-1, 2, half, k).permute(0, 3, 2, 1).reshape(-1, k, panel)
+                # k in pairs (an odd K padded with a zero): [panels, 16, K / 2, 2] ->
+                # [panels, K / 2, 16, 2], column j's k = 2i and 2i + 1 in one 32-bit word
+                kp = k + k % 2
+                padded = weight.new_zeros(-(-n // panel) * panel, kp, dtype=weight_dtype)
+                padded[:n, :k] = weight.detach()
+                packed = padded.view(-1, panel, kp // 2, 2).transpose(1, 2)
         self.register_buffer("packed_weight", packed.contiguous(), persistent=False)
         b = None if bias is None else bias.detach().float().contiguous()
         self.register_buffer("bias", b, persistent=False)
@@ -155,12 +159,12 @@ class CpuLinear(nn.Module):
         """Rows `ids` of W as float32 [len(ids), K]: an embedding lookup in the head's
         weights, for a model whose head is its embedding matrix (tied)."""
         panel = cpu_kernels.LINEAR_PANEL
-        col = ids % panel
-        if self.packed_weight.dtype == torch.float32:
-            lane = col
-        else:  # where weight_dtype bfloat16 put column c: 2 c below 8, 2 (c - 8) + 1 above
-            lane = torch.where(col < panel // 2, 2 * col, 2 * (col - panel // 2) + 1)
-        return self.packed_weight[ids // panel, :, lane].float()
+        packed = self.packed_weight
+        if packed.dtype == torch.float32:
+            return packed[ids // panel, :, ids % panel]
+        # bf16 pairs: [len(ids), K / 2, 2] -> [len(ids), K] (less an odd K's padding)
+        rows = packed[ids // panel, :, ids % panel, :]
+        return rows.reshape(len(ids), -1)[:, : self.in_features].float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:

@@ -22,18 +22,48 @@
  * and the head, 97 to 2048 rows) within -8 % to +15 % of oneDNN from run to run.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "vec_math.h"
 
+/* The kernel this build has, by what the compiler may use (-march=native: this CPU's):
+ * AVX-512F (zmm accumulators for either weight type), AVX512-BF16 on top of it (bf16 panels
+ * through vdpbf16ps, x rounded to bf16), AVX2 + FMA, or the portable loop. */
+#if defined(CONVEYOR_AVX2) && defined(__AVX512F__)
+#define CONVEYOR_GEMM512 1
+#if defined(__AVX512BF16__)
+#define CONVEYOR_DPBF16 1
+#endif
+#endif
+
 #define NR 16
-#define MR 6
-#define MC 288 /* a multiple of MR: 288 x 256 floats of x, 288 KiB */
-#define KC 256 /* a panel's block: 16 KiB */
-#define PREFETCH_K 32 /* k steps (64 B each) ahead */
+#define KC 256 /* a panel's block: 16 KiB of float32 (or of bf16 pairs in vdpbf16ps's loop) */
 #define PARALLEL_MIN_FLOPS (1 << 16)
 
-#ifdef CONVEYOR_AVX2
+#if defined(CONVEYOR_GEMM512)
+/* 32 zmm registers: MR accumulators, the panel's zmm and room for the compiler. */
+#define MR 12
+#define MC 288 /* a multiple of MR: 288 x 256 floats of x, 288 KiB */
+#define PREFETCH_BYTES 1024 /* ahead in the panel's stream */
+#define MICROS_ALL                                                                             \
+    MICRO(12) MICRO(11) MICRO(10) MICRO(9) MICRO(8) MICRO(7) MICRO(6) MICRO(5) MICRO(4)        \
+        MICRO(3) MICRO(2) MICRO(1)
+#define MICROS_LIST                                                                            \
+    0, MICRO_FN(1), MICRO_FN(2), MICRO_FN(3), MICRO_FN(4), MICRO_FN(5), MICRO_FN(6),          \
+        MICRO_FN(7), MICRO_FN(8), MICRO_FN(9), MICRO_FN(10), MICRO_FN(11), MICRO_FN(12)
+#elif defined(CONVEYOR_AVX2)
+#define MR 6
+#define MC 288 /* a multiple of MR: 288 x 256 floats of x, 288 KiB */
+#define PREFETCH_K 32 /* k steps (64 B of float32 each) ahead */
+#define MICROS_ALL MICRO(6) MICRO(5) MICRO(4) MICRO(3) MICRO(2) MICRO(1)
+#define MICROS_LIST                                                                            \
+    0, MICRO_FN(1), MICRO_FN(2), MICRO_FN(3), MICRO_FN(4), MICRO_FN(5), MICRO_FN(6)
+#else
+#define PR 4 /* the portable loop's rows per weight load */
+#endif
+
+#if defined(CONVEYOR_AVX2) && !defined(CONVEYOR_GEMM512)
 
 static inline __attribute__((always_inline)) void load_row(const float *o, int cols, __m256 *a0,
                                                            __m256 *a1)
@@ -74,63 +104,225 @@ static inline __attribute__((always_inline)) void store_row(float *o, int cols, 
     }
 #define ROW_FMA(r)                                                                             \
     if (RR > r) {                                                                              \
-        const __m256 a = _mm256_broadcast_ss(x + r * ldx + kk);                                \
+        const __m256 a = _mm256_broadcast_ss(x + r * ldx + kx);                                \
         c##r##0 = _mm256_fmadd_ps(a, w0, c##r##0);                                             \
         c##r##1 = _mm256_fmadd_ps(a, w1, c##r##1);                                             \
     }
 #define ROW_STORE(r)                                                                           \
     if (RR > r) store_row(o + r * ldo, cols, c##r##0, c##r##1);
 
-#else
-#define PR 4 /* the portable loop's rows per weight load */
 #endif
 
 /* float32 weights: [panels][K][16] floats. */
 #define GEMM_FN conveyor_linear_f32
 #define W_T float
 #define SUFFIX _f32
-#define LOAD_W(wk, w0, w1) (w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps((wk) + 8))
-#define W_AT(wk, j) ((wk)[j])
+#define KSTEP(k) (k)
+#define PREFETCH_ODD 1 /* every k starts a 64-byte line */
+#define LOAD_W(panel, kk, odd, w0, w1)                                                         \
+    (w0 = _mm256_loadu_ps((panel) + (kk) * NR), w1 = _mm256_loadu_ps((panel) + (kk) * NR + 8))
+#define LOAD_W512(panel, kk, odd) _mm512_loadu_ps((panel) + (kk) * NR)
+#define W_AT(panel, kk, j) ((panel)[(kk) * NR + (j)])
 #include "linear_gemm.h"
 #undef GEMM_FN
 #undef W_T
 #undef SUFFIX
+#undef KSTEP
+#undef PREFETCH_ODD
 #undef LOAD_W
+#undef LOAD_W512
 #undef W_AT
 
-/* bfloat16 weights: [panels][K][16] uint16, each k's 16 interleaved so that 32-bit word j
- * holds column j in its low half and column 8 + j in its high half (CpuLinear packs them so).
- * A bf16 is the top half of its float32, so one 256-bit load gives both halves of the panel
- * in two integer operations: a shift left by 16 (columns 0-7) and a mask of the high halves
- * (8-15). The products and sums are float32, as with float32 weights. */
-static inline float bf16_at(const uint16_t *wk, int j)
+/* bfloat16 weights: [panels][ceil(K / 2)][16][2] uint16, k in pairs (an odd K's last pair
+ * padded with a zero), so that the 32-bit word of column j holds k = 2i in its low half and
+ * k = 2i + 1 in its high half (CpuLinear packs them so). That is the operand vdpbf16ps takes;
+ * widened, a bf16 is the top half of its float32, so one load of a pair's words gives both
+ * k in one integer operation each: a shift left by 16 (even k) or a mask of the high halves
+ * (odd k). Widened, the products and sums are float32, as with float32 weights. */
+static inline float bf16_at(const uint16_t *panel, int64_t kk, int j)
 {
-    const uint32_t bits = (uint32_t)wk[j < 8 ? 2 * j : 2 * (j - 8) + 1] << 16;
+    const uint32_t bits = (uint32_t)panel[(kk >> 1) * 2 * NR + 2 * j + (kk & 1)] << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
-#define GEMM_FN conveyor_linear_bf16
 #define W_T uint16_t
 #define SUFFIX _bf16
-#define LOAD_W(wk, w0, w1)                                                                     \
+#define KSTEP(k) ((k) + ((k) & 1))
+#define PREFETCH_ODD 0 /* a pair of k is one 64-byte line */
+#define LOAD_W(panel, kk, odd, w0, w1)                                                         \
     do {                                                                                       \
-        const __m256i v_ = _mm256_loadu_si256((const __m256i *)(wk));                          \
-        w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v_, 16));                                   \
-        w1 = _mm256_castsi256_ps(_mm256_and_si256(v_, _mm256_set1_epi32((int)0xFFFF0000u)));   \
+        const __m256i *p_ = (const __m256i *)((panel) + ((kk) >> 1) * 2 * NR);                 \
+        const __m256i v0_ = _mm256_loadu_si256(p_), v1_ = _mm256_loadu_si256(p_ + 1);          \
+        const __m256i hi_ = _mm256_set1_epi32((int)0xFFFF0000u);                               \
+        w0 = _mm256_castsi256_ps(odd ? _mm256_and_si256(v0_, hi_) : _mm256_slli_epi32(v0_, 16)); \
+        w1 = _mm256_castsi256_ps(odd ? _mm256_and_si256(v1_, hi_) : _mm256_slli_epi32(v1_, 16)); \
     } while (0)
-#define W_AT(wk, j) bf16_at(wk, j)
+#define LOAD_W512(panel, kk, odd)                                                              \
+    _mm512_castsi512_ps(                                                                       \
+        odd ? _mm512_and_si512(_mm512_loadu_si512((panel) + ((kk) >> 1) * 2 * NR),             \
+                               _mm512_set1_epi32((int)0xFFFF0000u))                            \
+            : _mm512_slli_epi32(_mm512_loadu_si512((panel) + ((kk) >> 1) * 2 * NR), 16))
+#define W_AT(panel, kk, j) bf16_at(panel, kk, j)
+/* With vdpbf16ps the widening kernel is a second entry point (benchmarks, tests). */
+#if defined(CONVEYOR_DPBF16)
+#define GEMM_FN conveyor_linear_bf16_widened
+#else
+#define GEMM_FN conveyor_linear_bf16
+#endif
 #include "linear_gemm.h"
 #undef GEMM_FN
 #undef W_T
 #undef SUFFIX
+#undef KSTEP
+#undef PREFETCH_ODD
 #undef LOAD_W
+#undef LOAD_W512
 #undef W_AT
 
-/* Whether this build's GEMM is the AVX2 + FMA kernel (else the portable loop above). */
+#if defined(CONVEYOR_DPBF16)
+
+/* bfloat16 weights through vdpbf16ps: each 32-bit lane of an accumulator takes a pair of k
+ * at once, x's pair (both rounded to bf16, nearest even, as vcvtne2ps2bf16 does) times the
+ * column's pair, so one instruction does the work of two FMAs. x's rows are rounded once per
+ * block of rows into a buffer of pairs (an odd K's last pair padded with a zero, like the
+ * panels). The sum per output is bias first, then the pairs in order; the same for a row
+ * whatever batch it is in. */
+
+/* x [k] float32 -> ceil(k / 2) words of bf16 pairs. */
+static void round_pairs(const float *x, int64_t k, uint32_t *out)
+{
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+        _mm512_storeu_si512(out + i / 2, (__m512i)v);
+    }
+    if (i < k) {
+        const int rest = (int)(k - i);
+        const __mmask16 lo = rest >= 16 ? 0xFFFF : (__mmask16)((1u << rest) - 1);
+        const __mmask16 hi = rest > 16 ? (__mmask16)((1u << (rest - 16)) - 1) : 0;
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + i + 16),
+                                               _mm512_maskz_loadu_ps(lo, x + i));
+        _mm512_mask_storeu_epi32(out + i / 2, (__mmask16)((1u << ((rest + 1) / 2)) - 1),
+                                 (__m512i)v);
+    }
+}
+
+#define MICRO_DP(R)                                                                            \
+    static void micro##R##_dp(const uint32_t *xp, int64_t ldxp, const uint16_t *panel,         \
+                              int64_t pairs, const float *bias, int first, int prefetch,       \
+                              float *o, int64_t ldo, int cols)                                 \
+    {                                                                                          \
+        enum { RR = R };                                                                       \
+        const __mmask16 mask = (__mmask16)((1u << cols) - 1);                                  \
+        const __m512 b = first && bias ? _mm512_maskz_loadu_ps(mask, bias)                     \
+                                       : _mm512_setzero_ps();                                  \
+        __m512 c[RR];                                                                          \
+        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[r] =                           \
+            first ? b : _mm512_maskz_loadu_ps(mask, o + r * ldo);                              \
+        for (int64_t q = 0; q < pairs; q++) {                                                  \
+            if (prefetch)                                                                      \
+                _mm_prefetch((const char *)(panel + q * 2 * NR) + PREFETCH_BYTES, _MM_HINT_T0); \
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + q * 2 * NR);               \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[r] = _mm512_dpbf16_ps(    \
+                c[r], (__m512bh)_mm512_set1_epi32((int)xp[r * ldxp + q]), w);                  \
+        }                                                                                      \
+        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++)                                  \
+            _mm512_mask_storeu_ps(o + r * ldo, mask, c[r]);                                    \
+    }
+MICRO_DP(12)
+MICRO_DP(11)
+MICRO_DP(10)
+MICRO_DP(9)
+MICRO_DP(8)
+MICRO_DP(7)
+MICRO_DP(6)
+MICRO_DP(5)
+MICRO_DP(4)
+MICRO_DP(3)
+MICRO_DP(2)
+MICRO_DP(1)
+#undef MICRO_DP
+
+static void (*const micros_dp[MR + 1])(const uint32_t *, int64_t, const uint16_t *, int64_t,
+                                       const float *, int, int, float *, int64_t, int) = {
+    0,          micro1_dp, micro2_dp, micro3_dp,  micro4_dp,  micro5_dp, micro6_dp,
+    micro7_dp,  micro8_dp, micro9_dp, micro10_dp, micro11_dp, micro12_dp};
+
+/* The calling thread's buffer for a block of x's rows in pairs, grown as needed and kept. */
+static _Thread_local uint32_t *pairs_buf;
+static _Thread_local size_t pairs_cap;
+
+void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
+                          int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
+                          int num_threads)
+{
+    const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, qc = KC / 2;
+    const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
+    const size_t need = (size_t)(m < MC ? m : MC) * (size_t)(kp ? kp : 1);
+    if (need > pairs_cap) {
+        uint32_t *grown = realloc(pairs_buf, need * sizeof *grown);
+        if (!grown) { /* no memory for the rounded rows: the widening kernel needs none */
+            conveyor_linear_bf16_widened(x, ldx, m, packed, n, k, bias, out, ldo, num_threads);
+            return;
+        }
+        pairs_buf = grown, pairs_cap = need;
+    }
+    uint32_t *xp = pairs_buf;
+    for (int64_t m0 = 0; m0 < m; m0 += MC) {
+        const int64_t mb = m - m0 < MC ? m - m0 : MC;
+        for (int64_t r = 0; r < mb; r++) round_pairs(x + (m0 + r) * ldx, k, xp + r * kp);
+        #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+        for (int64_t p = 0; p < panels; p++) {
+            const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
+            const float *pbias = bias ? bias + p * NR : 0;
+            float *o = out + m0 * ldo + p * NR;
+            for (int64_t q0 = 0; q0 == 0 || q0 < kp; q0 += qc) { /* K = 0: the bias */
+                const int64_t qb = kp - q0 < qc ? kp - q0 : qc;
+                const uint16_t *panel = packed + (p * kp + q0) * 2 * NR;
+                for (int64_t r = 0; r < mb; r += MR) {
+                    const int rows = (int)(mb - r < MR ? mb - r : MR);
+                    micros_dp[rows](xp + r * kp + q0, kp, panel, qb, pbias, q0 == 0, r == 0,
+                                    o + r * ldo, ldo, cols);
+                }
+            }
+        }
+    }
+}
+
+#else
+
+/* Without vdpbf16ps the widening kernel is the only one; the name stays for callers that
+ * ask for it by name. */
+void conveyor_linear_bf16_widened(const float *x, int64_t ldx, int64_t m,
+                                  const uint16_t *packed, int64_t n, int64_t k,
+                                  const float *bias, float *out, int64_t ldo, int num_threads)
+{
+    conveyor_linear_bf16(x, ldx, m, packed, n, k, bias, out, ldo, num_threads);
+}
+
+#endif
+
+/* Whether this build's GEMM is a vector kernel (AVX2 + FMA or above; else the portable
+ * loop above). */
 int conveyor_linear_f32_vectorized(void)
 {
 #ifdef CONVEYOR_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Which GEMM this build has: 0 the portable loop, 1 AVX2 + FMA, 2 AVX-512 (zmm accumulators,
+ * bf16 weights widened), 3 AVX-512 with bf16 panels through vdpbf16ps (AVX512-BF16). */
+int conveyor_linear_isa(void)
+{
+#if defined(CONVEYOR_DPBF16)
+    return 3;
+#elif defined(CONVEYOR_GEMM512)
+    return 2;
+#elif defined(CONVEYOR_AVX2)
     return 1;
 #else
     return 0;

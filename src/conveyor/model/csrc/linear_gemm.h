@@ -2,9 +2,11 @@
  * once per type after defining
  *
  *   GEMM_FN      the entry point's name
- *   W_T          the packed weights' element type (16 per k of a panel)
- *   LOAD_W(wk, w0, w1)  (AVX2) columns 0-7 and 8-15 of the 16 weights at wk as two __m256
- *   W_AT(wk, j)  (portable) column j of the 16 weights at wk as a float
+ *   W_T          the packed weights' element type
+ *   KSTEP(k)     a panel's length in k as stored (K, or K rounded up to the pair for bf16)
+ *   LOAD_W(panel, kk, w0, w1)   (AVX2) columns 0-7 and 8-15 of k = kk as two __m256
+ *   LOAD_W512(panel, kk)        (AVX-512) the 16 columns of k = kk as one __m512
+ *   W_AT(panel, kk, j)          (portable) column j of k = kk as a float
  *   SUFFIX       a token that keeps each instance's static helpers apart
  *
  * and undefines them afterwards. What the kernel does and why is in linear.c.
@@ -14,7 +16,46 @@
 #define MICRO_FN(R) CAT(CAT(micro, R), SUFFIX)
 #define MICROS_TABLE CAT(micros, SUFFIX)
 
-#ifdef CONVEYOR_AVX2
+#if defined(CONVEYOR_GEMM512)
+
+/* o[0..R) x [0..cols) (+)= x[0..R) x [0..kb) . panel[0..kb) x [0..16); first: start from
+ * the bias (or 0) instead of o. One zmm accumulator per row; R is a constant in each
+ * instance, so the loops over rows unroll and the accumulators stay in registers. */
+#define MICRO(R)                                                                               \
+    static void MICRO_FN(R)(const float *x, int64_t ldx, const W_T *panel, int64_t kb,         \
+                            const float *bias, int first, int prefetch, float *o, int64_t ldo, \
+                            int cols)                                                          \
+    {                                                                                          \
+        enum { RR = R };                                                                       \
+        const __mmask16 mask = (__mmask16)((1u << cols) - 1);                                  \
+        const __m512 b = first && bias ? _mm512_maskz_loadu_ps(mask, bias)                     \
+                                       : _mm512_setzero_ps();                                  \
+        __m512 c[RR];                                                                          \
+        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[r] =                           \
+            first ? b : _mm512_maskz_loadu_ps(mask, o + r * ldo);                              \
+        int64_t kk = 0;                                                                        \
+        for (; kk + 1 < kb; kk += 2) {                                                         \
+            K_STEP512(kk, 0)                                                                   \
+            K_STEP512(kk + 1, 1)                                                               \
+        }                                                                                      \
+        if (kk < kb) K_STEP512(kk, 0)                                                          \
+        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++)                                  \
+            _mm512_mask_storeu_ps(o + r * ldo, mask, c[r]);                                    \
+    }
+/* One k of the block (odd: k is the second of its pair, a constant); the prefetch runs
+ * PREFETCH_BYTES ahead in the panel, once per 64-byte line. */
+#define K_STEP512(k_, odd)                                                                     \
+    {                                                                                          \
+        const int64_t kx = (k_);                                                               \
+        if (prefetch && (!(odd) || PREFETCH_ODD))                                              \
+            _mm_prefetch((const char *)(panel + kx * NR) + PREFETCH_BYTES, _MM_HINT_T0);       \
+        const __m512 w = LOAD_W512(panel, kx, odd);                                            \
+        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[r] =                           \
+            _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + kx]), w, c[r]);                         \
+    }
+MICROS_ALL
+
+#elif defined(CONVEYOR_AVX2)
 
 /* o[0..R) x [0..cols) (+)= x[0..R) x [0..kb) . panel[0..kb) x [0..16); first: start from
  * the bias (or 0) instead of o. */
@@ -29,32 +70,38 @@
         __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;                     \
         c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = b0;            \
         ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5)                 \
-        for (int64_t kk = 0; kk < kb; kk++) {                                                  \
-            const W_T *wk = panel + kk * NR;                                                   \
-            if (prefetch) _mm_prefetch((const char *)(wk + PREFETCH_K * NR), _MM_HINT_T0);    \
-            __m256 w0, w1;                                                                     \
-            LOAD_W(wk, w0, w1);                                                                \
-            ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)                  \
+        int64_t kk = 0;                                                                        \
+        for (; kk + 1 < kb; kk += 2) {                                                         \
+            K_STEP(kk, 0)                                                                      \
+            K_STEP(kk + 1, 1)                                                                  \
         }                                                                                      \
+        if (kk < kb) K_STEP(kk, 0)                                                             \
         ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)          \
     }
-MICRO(6)
-MICRO(5)
-MICRO(4)
-MICRO(3)
-MICRO(2)
-MICRO(1)
-#undef MICRO
+#define K_STEP(k_, odd)                                                                        \
+    {                                                                                          \
+        const int64_t kx = (k_);                                                               \
+        if (prefetch) _mm_prefetch((const char *)(panel + (kx + PREFETCH_K) * NR), _MM_HINT_T0); \
+        __m256 w0, w1;                                                                         \
+        LOAD_W(panel, kx, odd, w0, w1);                                                        \
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)                      \
+    }
+MICROS_ALL
+
+#endif
+
+#if defined(CONVEYOR_AVX2)
 
 static void (*const MICROS_TABLE[MR + 1])(const float *, int64_t, const W_T *, int64_t,
                                           const float *, int, int, float *, int64_t, int) = {
-    0, MICRO_FN(1), MICRO_FN(2), MICRO_FN(3), MICRO_FN(4), MICRO_FN(5), MICRO_FN(6)};
+    MICROS_LIST};
+#undef MICRO
 
 /* out[m, n] = x[m, k] . W^T + bias (bias may be NULL). */
 void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,
              const float *bias, float *out, int64_t ldo, int num_threads)
 {
-    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t panels = (n + NR - 1) / NR, kstep = KSTEP(k);
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mb = m - m0 < MC ? m - m0 : MC;
@@ -65,7 +112,8 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
             float *o = out + m0 * ldo + p * NR;
             for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += KC) { /* K = 0: the bias */
                 const int64_t kb = k - k0 < KC ? k - k0 : KC;
-                const W_T *panel = packed + (p * k + k0) * NR;
+                /* k0 is a multiple of KC, so even: a whole pair in bf16's layout */
+                const W_T *panel = packed + (p * kstep + k0) * NR;
                 for (int64_t r = 0; r < mb; r += MR) {
                     const int rows = (int)(mb - r < MR ? mb - r : MR);
                     MICROS_TABLE[rows](x + (m0 + r) * ldx + k0, ldx, panel, kb, pbias, k0 == 0,
@@ -85,12 +133,12 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
 void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,
              const float *bias, float *out, int64_t ldo, int num_threads)
 {
-    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t panels = (n + NR - 1) / NR, kstep = KSTEP(k);
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t p = 0; p < panels; p++) {
         const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-        const W_T *panel = packed + p * k * NR;
+        const W_T *panel = packed + p * kstep * NR;
         for (int64_t r0 = 0; r0 < m; r0 += PR) {
             const int rows = (int)(m - r0 < PR ? m - r0 : PR);
             float acc[PR][NR];
@@ -98,9 +146,8 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
                 for (int j = 0; j < NR; j++)
                     acc[r][j] = bias && j < cols ? bias[p * NR + j] : 0.f;
             for (int64_t kk = 0; kk < k; kk++) {
-                const W_T *wk = panel + kk * NR;
                 float w[NR];
-                for (int j = 0; j < NR; j++) w[j] = W_AT(wk, j);
+                for (int j = 0; j < NR; j++) w[j] = W_AT(panel, kk, j);
                 for (int r = 0; r < rows; r++) {
                     const float a = x[(r0 + r) * ldx + kk];
                     for (int j = 0; j < NR; j++)
@@ -115,6 +162,8 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
 
 #endif
 
+#undef K_STEP
+#undef K_STEP512
 #undef MICRO_FN
 #undef MICROS_TABLE
 #undef CAT
