@@ -221,7 +221,10 @@ def test_auto_takes_our_gemm_where_it_is_the_avx2_kernel_and_onednn_where_it_is_
     # The CONVEYOR_CPU_ISA=portable run of this file (tests/test_cpu_isa.py) takes the second
     # branch on this very machine; an AVX2 CPU's default build the first.
     want = "cpu" if kernels.linear_vectorized else "onednn"
-    if cpu_build.requested_isa() in ("portable", "avx2", "avx512"):
+    forced = {"portable": "portable", "avx2": "avx2", "avx512": "avx512"}
+    forced["avx512bf16"] = "avx512-bf16"
+    if cpu_build.requested_isa() in forced:  # the GEMM each forced level builds
+        assert kernels.linear_isa == forced[cpu_build.requested_isa()]
         assert kernels.linear_vectorized == (cpu_build.requested_isa() != "portable")
     assert resolve_linear_backend("auto", CPU, torch.float32) == want
     # bf16: our GEMM's bf16 weights where it is the AVX2 kernel, else torch's bf16 linears.

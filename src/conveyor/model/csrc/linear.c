@@ -42,16 +42,50 @@
 #define PARALLEL_MIN_FLOPS (1 << 16)
 
 #if defined(CONVEYOR_GEMM512)
-/* 32 zmm registers: MR accumulators, the panel's zmm and room for the compiler. */
-#define MR 12
+/* 32 zmm registers: MR accumulators, the panel's zmm and the broadcast x. */
+#define MR 16
 #define MC 288 /* a multiple of MR: 288 x 256 floats of x, 288 KiB */
 #define PREFETCH_BYTES 1024 /* ahead in the panel's stream */
 #define MICROS_ALL                                                                             \
-    MICRO(12) MICRO(11) MICRO(10) MICRO(9) MICRO(8) MICRO(7) MICRO(6) MICRO(5) MICRO(4)        \
-        MICRO(3) MICRO(2) MICRO(1)
+    MICRO(16) MICRO(15) MICRO(14) MICRO(13) MICRO(12) MICRO(11) MICRO(10) MICRO(9) MICRO(8)   \
+        MICRO(7) MICRO(6) MICRO(5) MICRO(4) MICRO(3) MICRO(2) MICRO(1)
 #define MICROS_LIST                                                                            \
     0, MICRO_FN(1), MICRO_FN(2), MICRO_FN(3), MICRO_FN(4), MICRO_FN(5), MICRO_FN(6),          \
-        MICRO_FN(7), MICRO_FN(8), MICRO_FN(9), MICRO_FN(10), MICRO_FN(11), MICRO_FN(12)
+        MICRO_FN(7), MICRO_FN(8), MICRO_FN(9), MICRO_FN(10), MICRO_FN(11), MICRO_FN(12),      \
+        MICRO_FN(13), MICRO_FN(14), MICRO_FN(15), MICRO_FN(16)
+/* A few rows (at most WIDE_R): WIDE_P panels per micro-kernel call. */
+#define WIDE_R 4
+#define WIDE_P 4
+#define WIDES_ALL WIDE(4) WIDE(3) WIDE(2) WIDE(1)
+#define WIDES_LIST 0, WIDE_FN(1), WIDE_FN(2), WIDE_FN(3), WIDE_FN(4)
+
+/* The calling thread's buffer for x packed for the micro-kernels, grown as needed and kept
+ * (NULL when it cannot grow: the callers then pack per micro-kernel call, on the stack). */
+static _Thread_local void *pack_buf;
+static _Thread_local size_t pack_cap;
+
+static void *pack_buffer(size_t bytes)
+{
+    if (bytes > pack_cap) {
+        void *grown = realloc(pack_buf, bytes);
+        if (!grown) return 0;
+        pack_buf = grown, pack_cap = bytes;
+    }
+    return pack_buf;
+}
+
+/* Rows [0, mb) of x (k columns) packed by blocks of MR rows (out holds mb rounded up to MR
+ * rows), block b at out + b MR k and its row r's column kk at [kk MR + r]: the MR values a micro-kernel broadcasts for one k sit in
+ * one cache line, wherever x's rows are (rows a power-of-two stride apart would all fall in
+ * one L1 set). */
+static void pack_rows(const float *x, int64_t ldx, int64_t mb, int64_t k, float *out)
+{
+    for (int64_t r = 0; r < mb; r++) {
+        float *blk = out + (r / MR) * MR * k + r % MR;
+        const float *row = x + r * ldx;
+        for (int64_t kk = 0; kk < k; kk++) blk[kk * MR] = row[kk];
+    }
+}
 #elif defined(CONVEYOR_AVX2)
 #define MR 6
 #define MC 288 /* a multiple of MR: 288 x 256 floats of x, 288 KiB */
@@ -208,50 +242,66 @@ static void round_pairs(const float *x, int64_t k, uint32_t *out)
     }
 }
 
-#define MICRO_DP(R)                                                                            \
-    static void micro##R##_dp(const uint32_t *xp, int64_t ldxp, const uint16_t *panel,         \
-                              int64_t pairs, const float *bias, int first, int prefetch,       \
-                              float *o, int64_t ldo, int cols)                                 \
+/* As MICRO_P in linear_gemm.h, on pairs: xp packed as pack_rows packs floats (row r's pair q
+ * at xp[q MR + r]), the panel's pair q of its 16 columns one 64-byte line. */
+#define MICRO_DP(R, P, NAME)                                                                   \
+    static void NAME(const uint32_t *xp, int64_t pstride, const uint16_t *panel,             \
+                     int64_t pairs, const float *bias, int first, int prefetch, float *o,      \
+                     int64_t ldo, int cols)                                                    \
     {                                                                                          \
-        enum { RR = R };                                                                       \
-        const __mmask16 mask = (__mmask16)((1u << cols) - 1);                                  \
-        const __m512 b = first && bias ? _mm512_maskz_loadu_ps(mask, bias)                     \
-                                       : _mm512_setzero_ps();                                  \
-        __m512 c[RR];                                                                          \
-        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[r] =                           \
-            first ? b : _mm512_maskz_loadu_ps(mask, o + r * ldo);                              \
-        for (int64_t q = 0; q < pairs; q++) {                                                  \
-            if (prefetch)                                                                      \
-                _mm_prefetch((const char *)(panel + q * 2 * NR) + PREFETCH_BYTES, _MM_HINT_T0); \
-            const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + q * 2 * NR);               \
-            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[r] = _mm512_dpbf16_ps(    \
-                c[r], (__m512bh)_mm512_set1_epi32((int)xp[r * ldxp + q]), w);                  \
+        enum { RR = R, PP = P };                                                               \
+        __mmask16 mask[PP];                                                                    \
+        __m512 c[PP][RR];                                                                      \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                                 \
+            mask[j] = j == PP - 1 ? (__mmask16)((1u << cols) - 1) : (__mmask16)0xFFFF;          \
+            const __m512 b = first && bias ? _mm512_maskz_loadu_ps(mask[j], bias + j * NR)     \
+                                           : _mm512_setzero_ps();                              \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                    \
+                first ? b : _mm512_maskz_loadu_ps(mask[j], o + r * ldo + j * NR);              \
         }                                                                                      \
-        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++)                                  \
-            _mm512_mask_storeu_ps(o + r * ldo, mask, c[r]);                                    \
+        for (int64_t q = 0; q < pairs; q++) {                                                  \
+            _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                             \
+                const uint16_t *pj = panel + j * pstride + q * 2 * NR;                         \
+                if (prefetch) _mm_prefetch((const char *)pj + PREFETCH_BYTES, _MM_HINT_T0);    \
+                const __m512bh w = (__m512bh)_mm512_loadu_si512(pj);                           \
+                _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                \
+                    _mm512_dpbf16_ps(c[j][r], (__m512bh)_mm512_set1_epi32((int)xp[q * MR + r]), \
+                                     w);                                                       \
+            }                                                                                  \
+        }                                                                                      \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++)                                   \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++)                              \
+                _mm512_mask_storeu_ps(o + r * ldo + j * NR, mask[j], c[j][r]);                 \
     }
-MICRO_DP(12)
-MICRO_DP(11)
-MICRO_DP(10)
-MICRO_DP(9)
-MICRO_DP(8)
-MICRO_DP(7)
-MICRO_DP(6)
-MICRO_DP(5)
-MICRO_DP(4)
-MICRO_DP(3)
-MICRO_DP(2)
-MICRO_DP(1)
+MICRO_DP(16, 1, micro16_dp)
+MICRO_DP(15, 1, micro15_dp)
+MICRO_DP(14, 1, micro14_dp)
+MICRO_DP(13, 1, micro13_dp)
+MICRO_DP(12, 1, micro12_dp)
+MICRO_DP(11, 1, micro11_dp)
+MICRO_DP(10, 1, micro10_dp)
+MICRO_DP(9, 1, micro9_dp)
+MICRO_DP(8, 1, micro8_dp)
+MICRO_DP(7, 1, micro7_dp)
+MICRO_DP(6, 1, micro6_dp)
+MICRO_DP(5, 1, micro5_dp)
+MICRO_DP(4, 1, micro4_dp)
+MICRO_DP(3, 1, micro3_dp)
+MICRO_DP(2, 1, micro2_dp)
+MICRO_DP(1, 1, micro1_dp)
+MICRO_DP(4, WIDE_P, wide4_dp)
+MICRO_DP(3, WIDE_P, wide3_dp)
+MICRO_DP(2, WIDE_P, wide2_dp)
+MICRO_DP(1, WIDE_P, wide1_dp)
 #undef MICRO_DP
 
-static void (*const micros_dp[MR + 1])(const uint32_t *, int64_t, const uint16_t *, int64_t,
-                                       const float *, int, int, float *, int64_t, int) = {
-    0,          micro1_dp, micro2_dp, micro3_dp,  micro4_dp,  micro5_dp, micro6_dp,
-    micro7_dp,  micro8_dp, micro9_dp, micro10_dp, micro11_dp, micro12_dp};
-
-/* The calling thread's buffer for a block of x's rows in pairs, grown as needed and kept. */
-static _Thread_local uint32_t *pairs_buf;
-static _Thread_local size_t pairs_cap;
+typedef void (*micro_dp_fn)(const uint32_t *, int64_t, const uint16_t *, int64_t, const float *,
+                            int, int, float *, int64_t, int);
+static const micro_dp_fn micros_dp[MR + 1] = {
+    0,          micro1_dp,  micro2_dp,  micro3_dp,  micro4_dp,  micro5_dp,
+    micro6_dp,  micro7_dp,  micro8_dp,  micro9_dp,  micro10_dp, micro11_dp,
+    micro12_dp, micro13_dp, micro14_dp, micro15_dp, micro16_dp};
+static const micro_dp_fn wides_dp[WIDE_R + 1] = {0, wide1_dp, wide2_dp, wide3_dp, wide4_dp};
 
 void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
                           int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
@@ -259,19 +309,42 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
 {
     const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, qc = KC / 2;
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
-    const size_t need = (size_t)(m < MC ? m : MC) * (size_t)(kp ? kp : 1);
-    if (need > pairs_cap) {
-        uint32_t *grown = realloc(pairs_buf, need * sizeof *grown);
-        if (!grown) { /* no memory for the rounded rows: the widening kernel needs none */
-            conveyor_linear_bf16_widened(x, ldx, m, packed, n, k, bias, out, ldo, num_threads);
-            return;
-        }
-        pairs_buf = grown, pairs_cap = need;
+    /* a block of rows in packed pairs, then one row's pairs before they are spread */
+    const size_t block_rows = (size_t)((m < MC ? m : MC) + MR - 1) / MR * MR;
+    const size_t words = block_rows * (size_t)(kp ? kp : 1) + (size_t)kp;
+    uint32_t *xp = pack_buffer(words * sizeof *xp);
+    if (!xp) { /* no memory for the rounded rows: the widening kernel packs on the stack */
+        conveyor_linear_bf16_widened(x, ldx, m, packed, n, k, bias, out, ldo, num_threads);
+        return;
     }
-    uint32_t *xp = pairs_buf;
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mb = m - m0 < MC ? m - m0 : MC;
-        for (int64_t r = 0; r < mb; r++) round_pairs(x + (m0 + r) * ldx, k, xp + r * kp);
+        uint32_t *row = xp + block_rows * kp;
+        for (int64_t r = 0; r < mb; r++) {
+            round_pairs(x + (m0 + r) * ldx, k, row);
+            uint32_t *blk = xp + (r / MR) * MR * kp + r % MR;
+            for (int64_t q = 0; q < kp; q++) blk[q * MR] = row[q];
+        }
+        if (mb <= WIDE_R) { /* a few rows: WIDE_P panels at a time */
+            const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
+            #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t p0 = g * WIDE_P;
+                const int64_t np = panels - p0 < WIDE_P ? panels - p0 : WIDE_P;
+                for (int64_t q0 = 0; q0 == 0 || q0 < kp; q0 += qc) { /* K = 0: the bias */
+                    const int64_t qb = kp - q0 < qc ? kp - q0 : qc;
+                    for (int64_t p = p0; p < p0 + np; p += (np == WIDE_P ? WIDE_P : 1)) {
+                        const int64_t last = np == WIDE_P ? p + WIDE_P - 1 : p;
+                        const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
+                        const micro_dp_fn fn = np == WIDE_P ? wides_dp[mb] : micros_dp[mb];
+                        fn(xp + q0 * MR, kp * 2 * NR, packed + (p * kp + q0) * 2 * NR, qb,
+                           bias ? bias + p * NR : 0, q0 == 0, 1, out + m0 * ldo + p * NR, ldo,
+                           cols);
+                    }
+                }
+            }
+            continue;
+        }
         #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
         for (int64_t p = 0; p < panels; p++) {
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
@@ -282,7 +355,7 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
                 const uint16_t *panel = packed + (p * kp + q0) * 2 * NR;
                 for (int64_t r = 0; r < mb; r += MR) {
                     const int rows = (int)(mb - r < MR ? mb - r : MR);
-                    micros_dp[rows](xp + r * kp + q0, kp, panel, qb, pbias, q0 == 0, r == 0,
+                    micros_dp[rows](xp + r * kp + q0 * MR, 0, panel, qb, pbias, q0 == 0, r == 0,
                                     o + r * ldo, ldo, cols);
                 }
             }

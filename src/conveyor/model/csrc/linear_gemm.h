@@ -15,45 +15,61 @@
 #define CAT(a, b) CAT_(a, b)
 #define MICRO_FN(R) CAT(CAT(micro, R), SUFFIX)
 #define MICROS_TABLE CAT(micros, SUFFIX)
+#define WIDE_FN(R) CAT(CAT(wide, R), SUFFIX)
+#define WIDES_TABLE CAT(wides, SUFFIX)
 
 #if defined(CONVEYOR_GEMM512)
 
 /* o[0..R) x [0..cols) (+)= x[0..R) x [0..kb) . panel[0..kb) x [0..16); first: start from
- * the bias (or 0) instead of o. One zmm accumulator per row; R is a constant in each
- * instance, so the loops over rows unroll and the accumulators stay in registers. */
-#define MICRO(R)                                                                               \
-    static void MICRO_FN(R)(const float *x, int64_t ldx, const W_T *panel, int64_t kb,         \
-                            const float *bias, int first, int prefetch, float *o, int64_t ldo, \
-                            int cols)                                                          \
+ * the bias (or 0) instead of o. x is packed (pack_rows: row r of k at x[k * MR + r]). One
+ * zmm accumulator per row; R is a constant in each instance, so the loops over rows unroll
+ * and the accumulators stay in registers. The wide instances (P = WIDE panels, for a few
+ * rows) take P panels side by side, pstride apart, the last with `cols` columns: more
+ * independent accumulators, so a row or two do not wait on one FMA's latency per k; each
+ * output's sum is the same as in one panel's instance. */
+#define MICRO_P(R, P, NAME)                                                                    \
+    static void NAME(const float *x, int64_t pstride, const W_T *panel, int64_t kb,            \
+                     const float *bias, int first, int prefetch, float *o, int64_t ldo,        \
+                     int cols)                                                                 \
     {                                                                                          \
-        enum { RR = R };                                                                       \
-        const __mmask16 mask = (__mmask16)((1u << cols) - 1);                                  \
-        const __m512 b = first && bias ? _mm512_maskz_loadu_ps(mask, bias)                     \
-                                       : _mm512_setzero_ps();                                  \
-        __m512 c[RR];                                                                          \
-        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[r] =                           \
-            first ? b : _mm512_maskz_loadu_ps(mask, o + r * ldo);                              \
+        enum { RR = R, PP = P };                                                               \
+        __mmask16 mask[PP];                                                                    \
+        __m512 c[PP][RR];                                                                      \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                                 \
+            mask[j] = j == PP - 1 ? (__mmask16)((1u << cols) - 1) : (__mmask16)0xFFFF;          \
+            const __m512 b = first && bias ? _mm512_maskz_loadu_ps(mask[j], bias + j * NR)     \
+                                           : _mm512_setzero_ps();                              \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                    \
+                first ? b : _mm512_maskz_loadu_ps(mask[j], o + r * ldo + j * NR);              \
+        }                                                                                      \
         int64_t kk = 0;                                                                        \
         for (; kk + 1 < kb; kk += 2) {                                                         \
             K_STEP512(kk, 0)                                                                   \
             K_STEP512(kk + 1, 1)                                                               \
         }                                                                                      \
         if (kk < kb) K_STEP512(kk, 0)                                                          \
-        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++)                                  \
-            _mm512_mask_storeu_ps(o + r * ldo, mask, c[r]);                                    \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++)                                   \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++)                              \
+                _mm512_mask_storeu_ps(o + r * ldo + j * NR, mask[j], c[j][r]);                 \
     }
 /* One k of the block (odd: k is the second of its pair, a constant); the prefetch runs
- * PREFETCH_BYTES ahead in the panel, once per 64-byte line. */
+ * PREFETCH_BYTES ahead in each panel, once per 64-byte line. */
 #define K_STEP512(k_, odd)                                                                     \
     {                                                                                          \
         const int64_t kx = (k_);                                                               \
-        if (prefetch && (!(odd) || PREFETCH_ODD))                                              \
-            _mm_prefetch((const char *)(panel + kx * NR) + PREFETCH_BYTES, _MM_HINT_T0);       \
-        const __m512 w = LOAD_W512(panel, kx, odd);                                            \
-        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[r] =                           \
-            _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + kx]), w, c[r]);                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                                 \
+            const W_T *pj = panel + j * pstride;                                               \
+            if (prefetch && (!(odd) || PREFETCH_ODD))                                          \
+                _mm_prefetch((const char *)(pj + kx * NR) + PREFETCH_BYTES, _MM_HINT_T0);      \
+            const __m512 w = LOAD_W512(pj, kx, odd);                                           \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                    \
+                _mm512_fmadd_ps(_mm512_set1_ps(x[kx * MR + r]), w, c[j][r]);                   \
+        }                                                                                      \
     }
+#define MICRO(R) MICRO_P(R, 1, MICRO_FN(R))
+#define WIDE(R) MICRO_P(R, WIDE_P, WIDE_FN(R))
 MICROS_ALL
+WIDES_ALL
 
 #elif defined(CONVEYOR_AVX2)
 
@@ -95,6 +111,12 @@ MICROS_ALL
 static void (*const MICROS_TABLE[MR + 1])(const float *, int64_t, const W_T *, int64_t,
                                           const float *, int, int, float *, int64_t, int) = {
     MICROS_LIST};
+#if defined(CONVEYOR_GEMM512)
+static void (*const WIDES_TABLE[WIDE_R + 1])(const float *, int64_t, const W_T *, int64_t,
+                                             const float *, int, int, float *, int64_t, int) = {
+    WIDES_LIST};
+#undef WIDE
+#endif
 #undef MICRO
 
 /* out[m, n] = x[m, k] . W^T + bias (bias may be NULL). */
@@ -103,8 +125,43 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
 {
     const int64_t panels = (n + NR - 1) / NR, kstep = KSTEP(k);
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
+#if defined(CONVEYOR_GEMM512)
+    /* x's block of rows packed once for every panel (NULL: packed per micro-kernel call) */
+    const size_t block_rows = (size_t)((m < MC ? m : MC) + MR - 1) / MR * MR;
+    float *xb = pack_buffer(block_rows * (size_t)(k > 0 ? k : 1) * sizeof(float));
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mb = m - m0 < MC ? m - m0 : MC;
+#if defined(CONVEYOR_GEMM512)
+        if (xb) pack_rows(x + m0 * ldx, ldx, mb, k, xb);
+#endif
+#if defined(CONVEYOR_GEMM512)
+        if (mb <= WIDE_R && xb) { /* a few rows: WIDE_P panels at a time */
+            const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
+            #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t p0 = g * WIDE_P;
+                const int64_t np = panels - p0 < WIDE_P ? panels - p0 : WIDE_P;
+                for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += KC) { /* K = 0: the bias */
+                    const int64_t kb = k - k0 < KC ? k - k0 : KC;
+                    for (int64_t p = p0; p < p0 + np; p += (np == WIDE_P ? WIDE_P : 1)) {
+                        const int64_t last = np == WIDE_P ? p + WIDE_P - 1 : p;
+                        const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
+                        const W_T *panel = packed + (p * kstep + k0) * NR;
+                        const float *pbias = bias ? bias + p * NR : 0;
+                        float *o = out + m0 * ldo + p * NR;
+                        if (np == WIDE_P)
+                            WIDES_TABLE[mb](xb + k0 * MR, kstep * NR, panel, kb, pbias, k0 == 0,
+                                            1, o, ldo, cols);
+                        else
+                            MICROS_TABLE[mb](xb + k0 * MR, 0, panel, kb, pbias, k0 == 0, 1, o,
+                                             ldo, cols);
+                    }
+                }
+            }
+            continue;
+        }
+#endif
         #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
         for (int64_t p = 0; p < panels; p++) {
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
@@ -116,8 +173,19 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
                 const W_T *panel = packed + (p * kstep + k0) * NR;
                 for (int64_t r = 0; r < mb; r += MR) {
                     const int rows = (int)(mb - r < MR ? mb - r : MR);
+#if defined(CONVEYOR_GEMM512)
+                    float xs[xb ? 1 : MR * KC];
+                    const float *xr = xb + r * k + k0 * MR;
+                    if (!xb) {
+                        pack_rows(x + (m0 + r) * ldx + k0, ldx, rows, kb, xs);
+                        xr = xs;
+                    }
+                    MICROS_TABLE[rows](xr, MR, panel, kb, pbias, k0 == 0, r == 0, o + r * ldo,
+                                       ldo, cols);
+#else
                     MICROS_TABLE[rows](x + (m0 + r) * ldx + k0, ldx, panel, kb, pbias, k0 == 0,
                                        r == 0, o + r * ldo, ldo, cols);
+#endif
                 }
             }
         }
@@ -166,5 +234,7 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
 #undef K_STEP512
 #undef MICRO_FN
 #undef MICROS_TABLE
+#undef WIDE_FN
+#undef WIDES_TABLE
 #undef CAT
 #undef CAT_
