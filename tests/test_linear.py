@@ -117,10 +117,8 @@ def test_every_gemm_path_against_float64_at_edge_shapes(kernels, n, k, bias, wei
             torch.testing.assert_close(widened.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_bf16_gemm_rounds_x_to_nearest_even_as_vdpbf16ps_does(kernels):
-    if not _rounds_x(kernels):
-        pytest.skip(f"this build's bf16 GEMM ({kernels.linear_isa}) does not round x")
-    # Column 0 of W is 1: the output is x rounded to bf16, exactly, for values at and near
+def test_the_bf16_gemm_rounds_x_to_nearest_even_with_vdpbf16ps_only(kernels):
+    # Column 0 of W is 1: the output is x as the kernel multiplied it, for values at and near
     # the halfway points between two bf16 numbers (ties go to the even one).
     one = 1 + 2**-8  # halfway between 1 and the next bf16 above it: rounds down, to 1
     three = 1 + 3 * 2**-8  # halfway between 1 + 2^-7 and 1 + 2^-6: rounds up
@@ -128,9 +126,13 @@ def test_the_bf16_gemm_rounds_x_to_nearest_even_as_vdpbf16ps_does(kernels):
     lin = CpuLinear(torch.ones(1, 1), None, kernels, torch.bfloat16)
     with torch.inference_mode():
         got = lin(x)[:, 0]
-    want = torch.tensor([1.0, 1 + 2**-6, 1 + 2**-7, -1.0, 0.0])
-    # the last: vdpbf16ps treats denormal inputs as zero
-    assert torch.equal(got, want), got
+        widened = kernels.linear(x, lin.packed_weight, 1, None, widened=True)[:, 0]
+    assert torch.equal(widened, x[:, 0])  # the widening kernel never rounds x
+    if _rounds_x(kernels):
+        # the last: vdpbf16ps treats denormal inputs as zero
+        assert torch.equal(got, torch.tensor([1.0, 1 + 2**-6, 1 + 2**-7, -1.0, 0.0])), got
+    else:
+        assert torch.equal(got, x[:, 0])
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])

@@ -307,7 +307,7 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
                           int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
                           int num_threads)
 {
-    const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, qc = KC / 2;
+    const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, qc = KC;
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
     /* a block of rows in packed pairs, then one row's pairs before they are spread */
     const size_t block_rows = (size_t)((m < MC ? m : MC) + MR - 1) / MR * MR;
