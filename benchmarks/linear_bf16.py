@@ -35,6 +35,9 @@ import os
 import time
 from collections.abc import Callable
 
+import conveyor  # noqa: F401  (its OpenMP wait policy, set before torch loads libgomp)
+
+# isort: split
 import torch
 import torch.nn.functional as F
 

@@ -5,18 +5,21 @@ counts of a decode step (one row per running sequence) that costs more than the
 multiplication. Both packed backends lay the weight out once:
 
 - "cpu" (CpuLinear): panels of 16 output columns, float32 or bfloat16, for csrc/linear.c's
-  AVX2 kernel, which streams each weight once per step and keeps 6 x 16 outputs in registers
-  (a build without AVX2 has a plain C loop over the same panels instead). At decode sizes
-  it is 1.4-2x oneDNN on our 2-core box (every linear of SmolLM2-135M's shape, 16 rows:
-  48 vs 68 ms; 1 row: 15 vs 32), and about even at prefill sizes.
+  kernel, which streams each weight once per step and keeps a block of outputs in
+  registers: AVX-512 (16 rows x 16 columns of zmm) or AVX2 (6 x 16) by what the build has,
+  bf16 panels through vdpbf16ps where the CPU has AVX512-BF16 (x rounded to bf16 then), a
+  plain C loop over the same panels in a build without AVX2. `kernels.linear_isa` names
+  the path (logged when the kernels load); benchmarks/linear_bf16.py measures it against
+  oneDNN and torch (README).
 - "onednn" (PackedLinear): oneDNN's blocked layout from
   `torch.ops.mkldnn._reorder_linear_weight` (the route vLLM-CPU and IPEX take).
 
-Results differ from MKL's only by summation order (fp32 rounding).
+In float32, results differ from MKL's only by summation order (fp32 rounding).
 
     linear_backend   CPU fp32                       CPU bf16                otherwise
-    "auto"           cpu with the AVX2 GEMM, else   cpu with the AVX2       torch
-                     onednn, else torch             GEMM, else torch
+    "auto"           cpu with a vector GEMM (AVX2   cpu with a vector       torch
+                     or above), else onednn, else   GEMM, else torch
+                     torch
     "cpu"            cpu (its portable loop in a build without AVX2:    ValueError
                      CONVEYOR_CPU_ISA=portable, aarch64; ValueError
                      without the C kernels)
@@ -24,7 +27,8 @@ Results differ from MKL's only by summation order (fp32 rounding).
     "torch"          nn.Linear                      nn.Linear (bf16)        nn.Linear
 
 With "cpu" in bfloat16 the weights are held in bf16 and everything else runs in float32
-(ModelRunner): the activations, the norms, attention and the KV cache.
+(ModelRunner): the activations, the norms, attention and the KV cache; with vdpbf16ps the
+GEMM rounds its input rows to bf16 for the products (sums stay float32).
 """
 
 from __future__ import annotations

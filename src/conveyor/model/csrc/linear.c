@@ -1,25 +1,38 @@
 /* Linear layers for CPU: out = x @ W^T + bias, x, bias and out float32, with W [N, K] packed
- * once at load into panels of NR = 16 output columns, [ceil(N / 16)][K][16] (the last panel
- * zero-padded; conveyor.model.linear.CpuLinear packs it), in float32 (conveyor_linear_f32) or
- * bfloat16 (conveyor_linear_bf16: half the bytes to stream, each weight widened to float32 in
- * registers; the same float32 products and sums). linear_gemm.h is the kernel, once per type.
+ * once at load into panels of NR = 16 output columns (the last panel zero-padded;
+ * conveyor.model.linear.CpuLinear packs them): float32 [ceil(N / 16)][K][16]
+ * (conveyor_linear_f32) or bfloat16 [ceil(N / 16)][ceil(K / 2)][16][2], k in pairs
+ * (conveyor_linear_bf16: half the bytes to stream). linear_gemm.h is the kernel, once per
+ * weight type; the build picks one of four paths by what the compiler may use (-march=native:
+ * this CPU's features; CONVEYOR_CPU_ISA forces a lower one), and conveyor_linear_isa says
+ * which:
  *
- * The micro-kernel keeps a 6 x 16 block of out in twelve AVX2 registers and, for each k,
- * loads the panel's 16 weights once (two vectors) and broadcasts one x value per row: 12
- * FMAs for 8 loads, the classic shape for 16 vector registers. Each output is one fp32 sum
- * over k in order (bias first), so a row's result does not depend on the batch it is in,
- * and it matches torch's to fp32 rounding.
+ *   AVX2 + FMA   a 6 x 16 block of out in twelve ymm registers; for each k the panel's 16
+ *                weights are loaded once (two vectors) and one x value per row broadcast: 12
+ *                FMAs for 8 loads, the classic shape for 16 vector registers. bf16 weights
+ *                are widened to float32 in registers (the same float32 products and sums).
+ *   AVX-512      16 columns are one zmm: up to 16 rows x 16 columns of accumulators, x's
+ *                block of rows packed first (pack_rows) so the values broadcast for one k
+ *                share a cache line; for 1-4 rows (decode) four panels per call, so a step
+ *                is not bound by one FMA chain's latency per k. bf16 widened as above.
+ *   AVX512-BF16  bf16 weights through vdpbf16ps: x rounded to bf16 (nearest even) once per
+ *                block of rows, each instruction two k per lane; the same blocking. This
+ *                changes bf16 mode's numerics (x rounded, as oneDNN's and vLLM-CPU's bf16
+ *                linears do); float32 weights are untouched. The widening kernel stays
+ *                callable (conveyor_linear_bf16_widened).
+ *   portable     a plain C loop over the same panels (no AVX2: CONVEYOR_CPU_ISA=portable, an
+ *                older x86-64, aarch64).
+ *
+ * Each output is one sum over k in order (bias first; pairs of k in order with vdpbf16ps),
+ * so a row's result does not depend on the batch it is in, and float32 weights give the
+ * same bits on the AVX2 and AVX-512 paths (the same FMAs in the same order).
  *
  * Blocking: rows in blocks of MC (x's block stays in L2 while every panel passes over it),
  * K in blocks of KC (a panel's block of 16 x KC weights stays in L1/L2 while the row blocks
- * of 6 reuse it; the partial sums wait in out). Threads split the panels. The first row
- * block of each panel prefetches the weights ahead of it: at decode batch sizes (a few to a
- * few dozen rows) the weights stream from DRAM once per step and this is what bounds a step.
- *
- * Measured on our 2-core box (Zen 4, AVX2 only), every linear of SmolLM2-135M's shape back to
- * back (cold weights), against oneDNN with its own prepacked weights: 1 row 15.4 vs 31.9 ms,
- * 4 rows 17.8 vs 40.5, 16 rows 48.3 vs 68.3, 64 rows 174 vs 191; at prefill sizes (4 layers
- * and the head, 97 to 2048 rows) within -8 % to +15 % of oneDNN from run to run.
+ * reuse it; the partial sums wait in out). Threads split the panels. The first row block of
+ * each panel prefetches the weights ahead of it: at decode batch sizes (a few to a few dozen
+ * rows) the weights stream from DRAM once per step and this is what bounds a step.
+ * benchmarks/linear_bf16.py measures each path against oneDNN and torch (README).
  */
 #include <stdint.h>
 #include <stdlib.h>
