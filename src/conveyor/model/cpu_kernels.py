@@ -108,8 +108,8 @@ class CpuKernels:
         # Which GEMM this build has (LINEAR_ISAS): what -march=native (or CONVEYOR_CPU_ISA)
         # let the compiler use.
         self.linear_isa = LINEAR_ISAS[fns["conveyor_linear_isa"]()]
-        # Whether the GEMM is the AVX2 + FMA kernel (a portable build has a plain C one:
-        # correct, but linear_backend "auto" prefers oneDNN to it).
+        # Whether the GEMM is a vector kernel, AVX2 + FMA or above (a portable build has a
+        # plain C one: correct, but linear_backend "auto" prefers oneDNN to it).
         self.linear_vectorized = bool(fns["conveyor_linear_f32_vectorized"]())
         self.path = path
         self.fns = fns  # every entry point, for modules that wrap their own (quant_linear.py)
