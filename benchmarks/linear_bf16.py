@@ -4,8 +4,13 @@ Every linear of one decode step of a model shape (each layer's qkv, o, gate_up a
 the head), applied back to back to an [M, K] input for each --rows M, best of --repeats passes,
 interleaved. Sides (each one that runs on this CPU; the others say why not):
 
-  ours_f32        csrc/linear.c with float32 panels (linear_backend "cpu", dtype float32)
-  ours_bf16       the same kernel on bfloat16 panels, widened in registers (dtype bfloat16)
+  ours_f32        csrc/linear.c with float32 panels (linear_backend "cpu", dtype float32),
+                  the build's best path (-march=native: AVX-512 where the CPU has it)
+  ours_bf16       the same on bfloat16 panels (dtype bfloat16): vdpbf16ps with x rounded to
+                  bf16 where the CPU has AVX512-BF16, else the weights widened in registers
+  ours_bf16_widened  the kernel that widens bf16 weights to float32 (x unrounded), same build
+  ours_f32_avx2, ours_bf16_avx2  the AVX2 + FMA kernels (CONVEYOR_CPU_ISA=avx2: what a
+                  Zen 3 runs, and this CPU before the AVX-512 paths)
   onednn_f32      oneDNN's prepacked float32 linear (linear_backend "onednn")
   onednn_bf16     oneDNN's prepacked bfloat16 linear, bf16 activations
                   (torch.ops.mkldnn._reorder_linear_weight; needs AVX512-BW/VL/DQ or
@@ -15,22 +20,28 @@ interleaved. Sides (each one that runs on this CPU; the others say why not):
 
 The memory floor: bytes of the bf16 weights / this machine's read bandwidth (the sum of a
 large tensor, measured in the same run). stdout: one JSON object with each side's ms per
-rows count and the ratios to ours_bf16.
+rows count, the ratios to ours_bf16, and ours_bf16's ratio to the floor. --layers keeps
+that many decoder layers (and the head) for the prefill sizes of a large shape.
 
-    python benchmarks/linear_bf16.py --shape smollm2-135m --rows 1 4 16 64 256
+    python benchmarks/linear_bf16.py --shape smollm2-135m --rows 1 4 16 64 256 1024
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import time
 from collections.abc import Callable
 
+import conveyor  # noqa: F401  (its OpenMP wait policy, set before torch loads libgomp)
+
+# isort: split
 import torch
 import torch.nn.functional as F
 
-from conveyor.model import cpu_kernels
+from conveyor.model import cpu_build, cpu_kernels
 from conveyor.model.linear import CpuLinear, PackedLinear
 
 # (hidden, intermediate, layers, q heads, kv heads, head dim, vocab)
@@ -41,11 +52,28 @@ SHAPES = {
 }
 
 
-def linear_shapes(name: str) -> list[tuple[int, int]]:
-    """(out, in) of every linear of one decode step."""
-    h, inter, layers, hq, hkv, d, vocab = SHAPES[name]
+def linear_shapes(name: str, layers: int | None = None) -> list[tuple[int, int]]:
+    """(out, in) of every linear of one decode step (of its first `layers` layers)."""
+    h, inter, n_layers, hq, hkv, d, vocab = SHAPES[name]
     layer = [((hq + 2 * hkv) * d, h), (h, hq * d), (2 * inter, h), (h, inter)]
-    return layer * layers + [(vocab, h)]
+    return layer * (n_layers if layers is None else min(layers, n_layers)) + [(vocab, h)]
+
+
+def kernels_for(isa: str) -> cpu_kernels.CpuKernels | str:
+    """The C kernels built for CONVEYOR_CPU_ISA=`isa` (a library of their own beside the
+    default one), or why not."""
+    saved = os.environ.get(cpu_build.ISA_ENV)
+    os.environ[cpu_build.ISA_ENV] = isa
+    try:
+        path = str(cpu_build.build())
+        return cpu_kernels.CpuKernels(ctypes.CDLL(path), path)
+    except (OSError, RuntimeError, ValueError) as exc:
+        return f"no {isa} build here: {str(exc).splitlines()[0]}"
+    finally:
+        if saved is None:
+            del os.environ[cpu_build.ISA_ENV]
+        else:
+            os.environ[cpu_build.ISA_ENV] = saved
 
 
 def read_bandwidth_gbps() -> float:
@@ -76,10 +104,28 @@ def sides(weights: list[torch.Tensor]) -> dict[str, Callable | str]:
         return make
 
     if kernels is None:
-        out["ours_f32"] = out["ours_bf16"] = "no C kernels (no compiler)"
+        for name in ("ours_f32", "ours_bf16", "ours_bf16_widened"):
+            out[name] = "no C kernels (no compiler)"
     else:
         for name, dtype in (("ours_f32", torch.float32), ("ours_bf16", torch.bfloat16)):
             out[name] = chain([CpuLinear(w, None, kernels, dtype) for w in weights], torch.float32)
+        if kernels.linear_isa == "avx512-bf16":
+            mods = [CpuLinear(w, None, kernels, torch.bfloat16) for w in weights]
+            out["ours_bf16_widened"] = chain(
+                [
+                    lambda x, m=m: kernels.linear(x, m.packed_weight, m.out_features, None, True)
+                    for m in mods
+                ],
+                torch.float32,
+            )
+        else:
+            out["ours_bf16_widened"] = f"the same kernel as ours_bf16 ({kernels.linear_isa})"
+    avx2 = kernels_for("avx2") if kernels is not None else "no C kernels (no compiler)"
+    for name, dtype in (("ours_f32_avx2", torch.float32), ("ours_bf16_avx2", torch.bfloat16)):
+        if isinstance(avx2, str):
+            out[name] = avx2
+        else:
+            out[name] = chain([CpuLinear(w, None, avx2, dtype) for w in weights], torch.float32)
     out["onednn_f32"] = chain([PackedLinear(w, None) for w in weights], torch.float32)
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16) for w in weights]
@@ -108,18 +154,22 @@ def sides(weights: list[torch.Tensor]) -> dict[str, Callable | str]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: all)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-compile", action="store_true", help="leave torch.compile out")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    weights = [torch.randn(n, k) * 0.02 for n, k in linear_shapes(args.shape)]
+    weights = [torch.randn(n, k) * 0.02 for n, k in linear_shapes(args.shape, args.layers)]
     weight_bytes_bf16 = sum(w.numel() * 2 for w in weights)
     made = sides(weights)
     if args.skip_compile:
         made["compiled_bf16"] = "left out (--skip-compile)"
+    kernels = cpu_kernels.load()
     report: dict = {
         "shape": args.shape,
+        "layers": len(weights) // 4,
+        "our_gemm": None if kernels is None else kernels.linear_isa,
         "torch_threads": torch.get_num_threads(),
         "weight_mib_bf16": round(weight_bytes_bf16 / 2**20, 1),
         "unavailable": {k: v for k, v in made.items() if isinstance(v, str)},
@@ -141,6 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
                 entry["ratio_to_ours_bf16"] = {
                     k: round(v / best["ours_bf16"], 2) for k, v in best.items() if k != "ours_bf16"
                 }
+            if "ours_bf16" in best:
+                floor = report["memory_floor_ms_bf16"]
+                entry["ours_bf16_over_floor"] = round(best["ours_bf16"] * 1e3 / floor, 2)
             report["results"].append(entry)
     print(json.dumps(report, indent=2))
     return report

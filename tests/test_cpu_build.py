@@ -103,6 +103,10 @@ def test_each_instruction_set_maps_to_its_march_and_refuses_what_the_cpu_lacks()
     assert cpu_build.isa_flags("portable", "x86_64", set()) == ["-march=x86-64"]
     assert cpu_build.isa_flags("avx2", "x86_64", v4) == ["-march=x86-64-v3"]
     assert cpu_build.isa_flags("avx512", "x86_64", v4) == ["-march=x86-64-v4"]
+    bf16 = ["-march=x86-64-v4", "-mavx512bf16"]
+    assert cpu_build.isa_flags("avx512bf16", "x86_64", v4 | {"avx512_bf16"}) == bf16
+    with pytest.raises(ValueError, match=r"avx512bf16 needs CPU features this CPU lacks \(avx512_"):
+        cpu_build.isa_flags("avx512bf16", "x86_64", v4)  # a Skylake-X: AVX-512, no BF16
     zen3 = cpu_build._X86_V3  # AVX2 only
     with pytest.raises(ValueError, match=r"avx512 needs CPU features this CPU lacks \(avx512bw"):
         cpu_build.isa_flags("avx512", "x86_64", zen3)
@@ -111,6 +115,41 @@ def test_each_instruction_set_maps_to_its_march_and_refuses_what_the_cpu_lacks()
     assert cpu_build.isa_flags("portable", "aarch64", set()) == ["-march=armv8-a"]
     with pytest.raises(ValueError, match="x86-64 instruction set; this machine is aarch64"):
         cpu_build.isa_flags("avx2", "aarch64", set())
+
+
+@needs_cc
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 levels")
+def test_each_level_reports_its_gemm_and_float32_results_do_not_depend_on_it(cache, monkeypatch):
+    import torch
+
+    from conveyor.model.linear import CpuLinear
+
+    # Every level this CPU has, built side by side (one library each).
+    names = {"avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512-bf16"}
+    built = {}
+    for isa, gemm in names.items():
+        try:
+            cpu_build.isa_flags(isa)
+        except ValueError:
+            continue  # a level this CPU lacks
+        monkeypatch.setenv("CONVEYOR_CPU_ISA", isa)
+        built[isa] = kernels = cpu_kernels.CpuKernels(ctypes.CDLL(str(cpu_build.build())))
+        assert kernels.linear_isa == gemm
+    if len(built) < 2:
+        pytest.skip(f"this CPU has fewer than two vector levels ({', '.join(built)})")
+    # The same sum per output in the same order (bias, then k), whatever the registers: float32
+    # weights give bit for bit the same outputs on each, as do bf16 weights widened.
+    torch.manual_seed(0)
+    weight, bias = torch.randn(53, 301) / 17, torch.randn(53)
+    for rows in (1, 7, 13, 300):
+        x = torch.randn(rows, 301)
+        outs = []
+        for kernels in built.values():
+            bf16 = CpuLinear(weight, bias, kernels, torch.bfloat16)
+            widened = kernels.linear(x, bf16.packed_weight, 53, bf16.bias, widened=True)
+            outs.append((CpuLinear(weight, bias, kernels)(x), widened))
+        for other in outs[1:]:
+            assert torch.equal(outs[0][0], other[0]) and torch.equal(outs[0][1], other[1])
 
 
 def test_an_instruction_set_this_cpu_lacks_is_an_error_not_a_crash(cache, monkeypatch):
@@ -135,13 +174,15 @@ def _ctype(param: str) -> type:
 
 def _c_prototypes() -> dict[str, list[tuple[type | None, list[type]]]]:
     """Every exported definition in csrc/, as the preprocessor expands it (the kernels written
-    once per type in a header are defined through macros) for the AVX2 build and the portable
-    one (a function defined under #ifdef and #else is checked twice)."""
+    once per type in a header are defined through macros) for the AVX2 build, the portable
+    one and the two AVX-512 ones (a function defined under #ifdef and #else is checked on
+    each side)."""
     found: dict[str, list[tuple[type | None, list[type]]]] = {}
-    for march in ("-march=x86-64-v3", "-march=x86-64"):
+    levels = (["-march=x86-64-v3"], ["-march=x86-64"], ["-march=x86-64-v4"])
+    for march in (*levels, ["-march=x86-64-v4", "-mavx512bf16"]):
         for src in cpu_build.sources():
             code = subprocess.run(
-                [*cpu_build.compiler(), "-E", "-P", "-fopenmp", march, str(src)],
+                [*cpu_build.compiler(), "-E", "-P", "-fopenmp", *march, str(src)],
                 capture_output=True, text=True, check=True, timeout=60,
             ).stdout  # fmt: skip
             for ret, name, params in _PROTOTYPE.findall(code):

@@ -50,9 +50,21 @@ def test_cpu_linear_equals_nn_linear(kernels, rows, n, k, bias):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def _reference(x, weight, bias, round_x=False):
+    """x @ weight.T + bias in float64 (x rounded to bf16 first where the kernel does)."""
+    xs = x.bfloat16() if round_x else x
+    out = xs.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+def _rounds_x(kernels) -> bool:
+    """Whether this build's bf16 GEMM rounds x to bf16 (vdpbf16ps)."""
+    return kernels.linear_isa == "avx512-bf16"
+
+
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 16, 40, 300])
 @pytest.mark.parametrize(("n", "k", "bias"), [(200, 96, True), (1000, 600, False), (7, 5, True)])
-def test_cpu_linear_with_bfloat16_weights_is_the_float32_product_of_the_rounded_weights(
+def test_cpu_linear_with_bfloat16_weights_is_the_float32_product_of_the_rounded_operands(
     kernels, rows, n, k, bias
 ):
     torch.manual_seed(rows + n)
@@ -60,27 +72,79 @@ def test_cpu_linear_with_bfloat16_weights_is_the_float32_product_of_the_rounded_
     x = torch.randn(rows, k)
     lin = CpuLinear(linear.weight, linear.bias, kernels, torch.bfloat16)
     assert lin.packed_weight.dtype == torch.bfloat16
-    assert lin.packed_weight.numel() == -(-n // 16) * 16 * k  # half of float32's bytes
-    # The weights rounded to bf16 once, then float32 products and sums (x is not rounded).
-    rounded = linear.weight.detach().bfloat16().double()
-    expected = x.double() @ rounded.T
-    if bias:
-        expected += linear.bias.detach().double()
+    # half of float32's bytes (K rounded up to a pair)
+    assert lin.packed_weight.numel() == -(-n // 16) * 16 * (k + k % 2)
+    # The weights rounded to bf16 once, then float32 products and sums; x rounded to bf16
+    # too where the kernel is vdpbf16ps's, never by the widening kernel.
+    rounded = linear.weight.detach().bfloat16()
     with torch.inference_mode():
         got = lin(x)
+        widened = kernels.linear(x, lin.packed_weight, n, lin.bias, widened=True)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
+    expected = _reference(x, rounded, linear.bias.detach() if bias else None, _rounds_x(kernels))
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    unrounded = _reference(x, rounded, linear.bias.detach() if bias else None)
+    torch.testing.assert_close(widened.double(), unrounded, rtol=1e-5, atol=1e-5)
+
+
+# Shapes around every edge of the kernels: a partial last panel (N not a multiple of 16), K
+# of 1, odd K (a padded pair), K across blocks of 256 with an odd rest, and rows around the
+# micro-kernels' 6 and 12 and the blocks of 288. Tolerance: against the float64 sum of the
+# same rounded operands, what fp32 summation of up to a thousand terms of about 1 / sqrt(K)
+# each leaves (outputs about 1): 1e-5, the other linear tests' bound.
+EDGE_SHAPES = [(1, 1), (17, 3), (33, 31), (16, 2), (47, 257), (64, 513), (5, 1027)]
+EDGE_ROWS = [1, 2, 5, 6, 7, 11, 12, 13, 25, 289, 300]
+
+
+@pytest.mark.parametrize(("n", "k"), EDGE_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_every_gemm_path_against_float64_at_edge_shapes(kernels, n, k, bias, weight_dtype):
+    torch.manual_seed(n * 1000 + k)
+    weight = torch.randn(n, k) / k**0.5
+    b = torch.randn(n) if bias else None
+    lin = CpuLinear(weight, b, kernels, weight_dtype)
+    w = weight.to(weight_dtype)
+    for rows in EDGE_ROWS:
+        x = torch.randn(rows, k)
+        with torch.inference_mode():
+            got = lin(x).double()
+        round_x = weight_dtype == torch.bfloat16 and _rounds_x(kernels)
+        torch.testing.assert_close(got, _reference(x, w, b, round_x), rtol=1e-5, atol=1e-5)
+        if weight_dtype == torch.bfloat16:
+            widened = kernels.linear(x, lin.packed_weight, n, lin.bias, widened=True)
+            want = _reference(x, w, b)
+            torch.testing.assert_close(widened.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_bf16_gemm_rounds_x_to_nearest_even_with_vdpbf16ps_only(kernels):
+    # Column 0 of W is 1: the output is x as the kernel multiplied it, for values at and near
+    # the halfway points between two bf16 numbers (ties go to the even one).
+    one = 1 + 2**-8  # halfway between 1 and the next bf16 above it: rounds down, to 1
+    three = 1 + 3 * 2**-8  # halfway between 1 + 2^-7 and 1 + 2^-6: rounds up
+    x = torch.tensor([[one], [three], [1 + 2**-8 + 2**-20], [-one], [2.0**-130]])
+    lin = CpuLinear(torch.ones(1, 1), None, kernels, torch.bfloat16)
+    with torch.inference_mode():
+        got = lin(x)[:, 0]
+        widened = kernels.linear(x, lin.packed_weight, 1, None, widened=True)[:, 0]
+    assert torch.equal(widened, x[:, 0])  # the widening kernel never rounds x
+    if _rounds_x(kernels):
+        # the last: vdpbf16ps treats denormal inputs as zero
+        assert torch.equal(got, torch.tensor([1.0, 1 + 2**-6, 1 + 2**-7, -1.0, 0.0])), got
+    else:
+        assert torch.equal(got, x[:, 0])
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_a_packed_head_gives_back_the_embedding_rows(kernels, weight_dtype):
+@pytest.mark.parametrize("k", [24, 25])  # 25: bf16's padded last pair
+def test_a_packed_head_gives_back_the_embedding_rows(kernels, weight_dtype, k):
     torch.manual_seed(0)
-    weight = torch.randn(37, 24)  # a partial last panel
+    weight = torch.randn(37, k)  # a partial last panel
     head = CpuLinear(weight, None, kernels, weight_dtype)
     embed = HeadEmbedding(head)
     ids = torch.tensor([[0, 36, 8], [15, 16, 7]])
     rows = embed(ids)
-    assert rows.dtype == torch.float32 and rows.shape == (2, 3, 24)
+    assert rows.dtype == torch.float32 and rows.shape == (2, 3, k)
     assert torch.equal(rows, weight.to(weight_dtype).float()[ids])
     for bad in (37, -1):
         with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 37\)"):
@@ -92,10 +156,13 @@ def test_cpu_linear_rows_do_not_depend_on_their_batch_and_any_layout_works(kerne
     linear = nn.Linear(300, 50)
     lin = CpuLinear(linear.weight, linear.bias, kernels)
     x = torch.randn(20, 300)
+    bf16 = CpuLinear(linear.weight, linear.bias, kernels, torch.bfloat16)
     with torch.inference_mode():
-        whole = lin(x)
-        for i in (0, 7, 19):  # one sum over k in order per output: bit for bit the same
-            assert torch.equal(lin(x[i : i + 1]), whole[i : i + 1])
+        for each in (lin, bf16):
+            whole = each(x)
+            for i in (0, 7, 13, 19):  # one sum over k in order per output: bit for bit
+                assert torch.equal(each(x[i : i + 1]), whole[i : i + 1])
+                assert torch.equal(each(x[i : i + 13]), whole[i : i + 13])
         wide = torch.randn(20, 310)[:, 5:305]  # rows with a stride of 310
         torch.testing.assert_close(lin(wide), linear(wide), rtol=1e-5, atol=1e-5)
         cols = torch.randn(300, 20).t()  # column-major: copied first
@@ -135,6 +202,8 @@ def test_pack_linears_replaces_every_linear_and_packs_a_tied_head(kernels):
         with torch.inference_mode():
             logits = model.lm_head(hidden)
             looked_up = model.model.embed_tokens(ids)
+        if dtype == torch.bfloat16 and _rounds_x(kernels):  # vdpbf16ps: x rounded too
+            hidden = hidden.bfloat16().float()
         torch.testing.assert_close(logits, hidden @ embedding.float().T)
         assert torch.equal(looked_up, embedding.float()[ids])
         # Our head's panels serve the lookups too: the matrix is held once.
@@ -154,7 +223,10 @@ def test_auto_takes_our_gemm_where_it_is_the_avx2_kernel_and_onednn_where_it_is_
     # The CONVEYOR_CPU_ISA=portable run of this file (tests/test_cpu_isa.py) takes the second
     # branch on this very machine; an AVX2 CPU's default build the first.
     want = "cpu" if kernels.linear_vectorized else "onednn"
-    if cpu_build.requested_isa() in ("portable", "avx2", "avx512"):
+    forced = {"portable": "portable", "avx2": "avx2", "avx512": "avx512"}
+    forced["avx512bf16"] = "avx512-bf16"
+    if cpu_build.requested_isa() in forced:  # the GEMM each forced level builds
+        assert kernels.linear_isa == forced[cpu_build.requested_isa()]
         assert kernels.linear_vectorized == (cpu_build.requested_isa() != "portable")
     assert resolve_linear_backend("auto", CPU, torch.float32) == want
     # bf16: our GEMM's bf16 weights where it is the AVX2 kernel, else torch's bf16 linears.

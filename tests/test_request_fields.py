@@ -159,6 +159,18 @@ def test_refused_fields_are_a_400_naming_them(client, name) -> None:
         _refused(call, name)
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses", "embeddings"])
+def test_an_unknown_field_is_a_400_naming_it(client, endpoint) -> None:
+    body = {"top_kk": 3}  # a typo of vLLM's top_k: ignoring it would change nothing silently
+    calls = {
+        "completions": lambda: client.completions.create(model=NAME, prompt="x", extra_body=body),
+        "chat": lambda: _chat(client, extra_body=body),
+        "responses": lambda: client.responses.create(model=NAME, input="x", extra_body=body),
+        "embeddings": lambda: client.embeddings.create(model=NAME, input="x", extra_body=body),
+    }
+    assert "unrecognized request argument" in _refused(calls[endpoint], "top_kk")
+
+
 def test_values_that_ask_for_nothing_are_accepted(client) -> None:
     fine = {
         "store": False, "use_beam_search": False, "length_penalty": 1.0, "modalities": ["text"],

@@ -1,10 +1,10 @@
 """API fuzzing: schemathesis drives a real `conveyor serve` from the server's own OpenAPI schema.
 
-For /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize and /detokenize it sends
-generated bodies, valid and invalid, a bounded number per endpoint (derandomized, so CI runs the
-same cases): no answer may be a 5xx, and every error answer must be the OpenAI error body with
-its status as `code`. The server runs with a short context and request timeout so that whatever
-valid request the fuzzer makes ends quickly.
+For /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /tokenize and
+/detokenize it sends generated bodies, valid and invalid, a bounded number per endpoint
+(derandomized, so CI runs the same cases): no answer may be a 5xx, and every error answer must
+be the OpenAI error body with its status as `code`. The server runs with a short context and
+request timeout so that whatever valid request the fuzzer makes ends quickly.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from schemathesis.checks import not_a_server_error
 from tests.serve_process import start_server
 
 MAX_EXAMPLES = 25  # per endpoint
-ENDPOINTS = r"^/(v1/completions|v1/chat/completions|v1/embeddings|tokenize|detokenize)$"
+ENDPOINTS = (
+    r"^/(v1/completions|v1/chat/completions|v1/responses|v1/embeddings|tokenize|detokenize)$"
+)
 STATUSES: Counter[int] = Counter()
 
 

@@ -374,3 +374,20 @@ def test_a_template_without_tools_gets_the_generic_fallback(servers) -> None:
                 assert json.loads(call.function.arguments)["city"] is not None
         elif c.finish_reason != "length":  # (a call cut short stays text)
             assert not (c.message.content or "").startswith("{")
+
+
+def test_the_generic_fallback_refuses_a_format_only_where_text_may_come(servers) -> None:
+    """Under "auto" the fallback's grammar (text or a call) cannot also hold the text to a
+    format: a 400 naming tool_choice; a forced call writes no text, so the format is moot."""
+    client = _client(servers["qwen"])
+    body = dict(model="m", messages=[QUESTION], tools=TOOLS, max_tokens=200)
+    extra = {"chat_template": SMOLLM2_TEMPLATE}
+    fmt = {"type": "json_object"}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**body, response_format=fmt, extra_body=extra)
+    assert refused.value.body["param"] == "tool_choice"
+    forced = client.chat.completions.create(
+        **body, tool_choice="required", parallel_tool_calls=False, response_format=fmt,
+        extra_body=extra,
+    )  # fmt: skip
+    assert forced.choices[0].message.tool_calls

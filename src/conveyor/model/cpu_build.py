@@ -11,18 +11,20 @@ in its place) is rebuilt, never loaded.
 The instruction set: by default `-march=native` (what this CPU has). CONVEYOR_CPU_ISA forces a
 lower one, for CPUs without AVX2 or to test the portable paths on a machine that has it:
 
-    CONVEYOR_CPU_ISA   x86_64                      aarch64          the kernels' paths
-    (unset)            -march=native               -march=native    AVX2 where the CPU has it
+    CONVEYOR_CPU_ISA   x86_64                      aarch64          the GEMM (linear.c)
+    (unset)            -march=native               -march=native    the best this CPU has
     portable           -march=x86-64 (SSE2)        -march=armv8-a   plain C (auto-vectorised)
     avx2               -march=x86-64-v3            (refused)        AVX2 + FMA
-    avx512             -march=x86-64-v4            (refused)        AVX2 + FMA, AVX-512 for
-                                                                    what the compiler vectorises
-                                                                    and the GGUF dot products
-                                                                    (512-bit maddubs: no VNNI)
+    avx512             -march=x86-64-v4            (refused)        AVX-512, bf16 widened
+    avx512bf16         -march=x86-64-v4            (refused)        AVX-512, bf16 panels
+                       -mavx512bf16                                 through vdpbf16ps
 
-The default build on a CPU with AVX-512 VNNI (Zen 4, Ice Lake and later) takes 512-bit dpbusd
-for the GGUF dot products; each lower path is tested on such a CPU (tests/test_cpu_isa.py).
+The GGUF dot products (quant_x8.c, quant_k.c) take 512-bit registers wherever the build has
+AVX-512BW: dpbusd with AVX-512 VNNI (a native build on Zen 4/5, Ice Lake and later), maddubs
+without it (the avx512 and avx512bf16 levels); 256-bit maddubs at avx2.
 
+The lower levels let tests run each kernel path on a machine that has a higher one
+(tests/test_cpu_isa.py); `python -m conveyor.model.cpu_kernels` says which GEMM a build has.
 Asking for an instruction set this CPU lacks is a ValueError (its code would die on an
 illegal instruction), as is an unknown name.
 """
@@ -41,16 +43,17 @@ from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
 ISA_ENV = "CONVEYOR_CPU_ISA"
-ISAS = ("native", "portable", "avx2", "avx512")
+ISAS = ("native", "portable", "avx2", "avx512", "avx512bf16")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # x86-64 levels (the psABI's): what -march=x86-64-v3 / -v4 let the compiler use, by the names
 # /proc/cpuinfo gives those features.
 _X86_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
 _X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 _X86_LEVELS = {
-    "portable": ("x86-64", set()),
-    "avx2": ("x86-64-v3", _X86_V3),
-    "avx512": ("x86-64-v4", _X86_V4),
+    "portable": (["-march=x86-64"], set()),
+    "avx2": (["-march=x86-64-v3"], _X86_V3),
+    "avx512": (["-march=x86-64-v4"], _X86_V4),
+    "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16"], _X86_V4 | {"avx512_bf16"}),
 }
 
 
@@ -109,14 +112,14 @@ def isa_flags(isa: str, machine: str | None = None, flags: set[str] | None = Non
     if isa == "native":
         return ["-march=native"]
     if machine in ("x86_64", "amd64"):
-        march, needs = _X86_LEVELS[isa]
+        march_flags, needs = _X86_LEVELS[isa]
         missing = sorted(needs - (cpu_flags() if flags is None else flags))
         if missing:
             raise ValueError(
                 f"{ISA_ENV}={isa} needs CPU features this CPU lacks ({', '.join(missing)}); "
                 "use a lower one (portable runs everywhere) or leave it unset."
             )
-        return [f"-march={march}"]
+        return list(march_flags)
     if isa == "portable":
         return ["-march=armv8-a"] if machine in ("aarch64", "arm64") else []
     raise ValueError(f"{ISA_ENV}={isa} is an x86-64 instruction set; this machine is {machine}.")

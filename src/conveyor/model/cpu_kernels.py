@@ -65,7 +65,9 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_argmax_f32": (_ARGMAX_ARGS, None),
     "conveyor_linear_f32": (_LINEAR_ARGS, None),
     "conveyor_linear_bf16": (_LINEAR_ARGS, None),
+    "conveyor_linear_bf16_widened": (_LINEAR_ARGS, None),
     "conveyor_linear_f32_vectorized": ([], ctypes.c_int),
+    "conveyor_linear_isa": ([], ctypes.c_int),
     # GGUF blocks (conveyor.model.quant_linear wraps them)
     "conveyor_quantize_q8a_f32": (_QUANTIZE_ARGS, None),
     "conveyor_quant_linear_f32": (_QUANT_LINEAR_ARGS, ctypes.c_int),
@@ -75,6 +77,10 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
 }
 # Output columns per panel of a packed weight (csrc/linear.c's NR).
 LINEAR_PANEL = 16
+# The GEMM a build has, by conveyor_linear_isa's number (csrc/linear.c): the portable loop,
+# AVX2 + FMA, AVX-512 (bf16 weights widened to float32), AVX-512 with bf16 panels through
+# vdpbf16ps (x rounded to bf16).
+LINEAR_ISAS = ("portable", "avx2", "avx512", "avx512-bf16")
 
 
 class CpuKernels:
@@ -98,8 +104,12 @@ class CpuKernels:
             torch.float32: fns["conveyor_linear_f32"],
             torch.bfloat16: fns["conveyor_linear_bf16"],
         }
-        # Whether the GEMM is the AVX2 + FMA kernel (a portable build has a plain C one:
-        # correct, but linear_backend "auto" prefers oneDNN to it).
+        self._linear_widened = fns["conveyor_linear_bf16_widened"]
+        # Which GEMM this build has (LINEAR_ISAS): what -march=native (or CONVEYOR_CPU_ISA)
+        # let the compiler use.
+        self.linear_isa = LINEAR_ISAS[fns["conveyor_linear_isa"]()]
+        # Whether the GEMM is a vector kernel, AVX2 + FMA or above (a portable build has a
+        # plain C one: correct, but linear_backend "auto" prefers oneDNN to it).
         self.linear_vectorized = bool(fns["conveyor_linear_f32_vectorized"]())
         self.path = path
         self.fns = fns  # every entry point, for modules that wrap their own (quant_linear.py)
@@ -203,18 +213,28 @@ class CpuKernels:
         return out
 
     def linear(
-        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        widened: bool = False,
     ) -> torch.Tensor:
         """x @ W.T + bias as a new float32 [M, n] tensor, W packed as CpuLinear packs it.
 
         The caller checks what C cannot: x float32 [M, K] with unit stride along K, packed
-        the contiguous float32 or bfloat16 [ceil(n / 16), K, 16] panels of W, bias None or
-        float32 [n] contiguous (CpuLinear does).
+        the contiguous panels of W (float32 [ceil(n / 16), K, 16] or bfloat16
+        [ceil(n / 16), ceil(K / 2), 16, 2]), bias None or float32 [n] contiguous (CpuLinear
+        does). `widened`: bf16 panels through the kernel that widens them to float32 and
+        leaves x unrounded, also in a build whose default is vdpbf16ps (tests, benchmarks).
         """
         rows, k = x.shape
         out = torch.empty(rows, n, dtype=torch.float32)
         if rows:
-            self._linear[packed.dtype](
+            fn = self._linear[packed.dtype]
+            if widened and packed.dtype == torch.bfloat16:
+                fn = self._linear_widened
+            fn(
                 x.data_ptr(),
                 x.stride(0),
                 rows,
@@ -387,17 +407,20 @@ class AttentionRows:
 
 @functools.cache
 def load() -> CpuKernels | None:
-    """The kernels, built on first call; None (and one warning) when they cannot be built.
+    """The kernels, built on first call (logging which GEMM the build has, once); None (and
+    one warning) when they cannot be built.
 
     Raises:
         ValueError: CONVEYOR_CPU_ISA names an unknown instruction set or one the CPU lacks.
     """
     try:
         path = str(cpu_build.build())
-        return CpuKernels(ctypes.CDLL(path), path)
+        kernels = CpuKernels(ctypes.CDLL(path), path)
     except (OSError, RuntimeError, AttributeError) as exc:
         logger.warning("CPU C kernels unavailable (%s); attention and norms run in torch.", exc)
         return None
+    logger.info("CPU GEMM: %s", kernels.linear_isa)
+    return kernels
 
 
 def main() -> int:
@@ -408,10 +431,15 @@ def main() -> int:
     if kernels is None:
         print(f"CPU C kernels: unavailable (CONVEYOR_CPU_ISA={isa}); see the warning above.")
         return 1
-    gemm = "AVX2 + FMA" if kernels.linear_vectorized else "portable C (auto picks oneDNN)"
+    gemm = {
+        "portable": "portable C (auto picks oneDNN)",
+        "avx2": "AVX2 + FMA",
+        "avx512": "AVX-512 (bf16 weights widened to float32)",
+        "avx512-bf16": "AVX-512, bf16 weights through vdpbf16ps (x rounded to bf16)",
+    }[kernels.linear_isa]
     print(f"CPU C kernels: loaded from {kernels.path}")
     print(f"  instruction set: {isa} ({' '.join(cpu_build.build_flags())})")
-    print(f"  GEMM (linear_backend 'cpu'): {gemm}")
+    print(f"  GEMM (linear_backend 'cpu'): {kernels.linear_isa}: {gemm}")
     return 0
 
 

@@ -5,18 +5,21 @@ counts of a decode step (one row per running sequence) that costs more than the
 multiplication. Both packed backends lay the weight out once:
 
 - "cpu" (CpuLinear): panels of 16 output columns, float32 or bfloat16, for csrc/linear.c's
-  AVX2 kernel, which streams each weight once per step and keeps 6 x 16 outputs in registers
-  (a build without AVX2 has a plain C loop over the same panels instead). At decode sizes
-  it is 1.4-2x oneDNN on our 2-core box (every linear of SmolLM2-135M's shape, 16 rows:
-  48 vs 68 ms; 1 row: 15 vs 32), and about even at prefill sizes.
+  kernel, which streams each weight once per step and keeps a block of outputs in
+  registers: AVX-512 (16 rows x 16 columns of zmm) or AVX2 (6 x 16) by what the build has,
+  bf16 panels through vdpbf16ps where the CPU has AVX512-BF16 (x rounded to bf16 then), a
+  plain C loop over the same panels in a build without AVX2. `kernels.linear_isa` names
+  the path (logged when the kernels load); benchmarks/linear_bf16.py measures it against
+  oneDNN and torch (README).
 - "onednn" (PackedLinear): oneDNN's blocked layout from
   `torch.ops.mkldnn._reorder_linear_weight` (the route vLLM-CPU and IPEX take).
 
-Results differ from MKL's only by summation order (fp32 rounding).
+In float32, results differ from MKL's only by summation order (fp32 rounding).
 
     linear_backend   CPU fp32                       CPU bf16                otherwise
-    "auto"           cpu with the AVX2 GEMM, else   cpu with the AVX2       torch
-                     onednn, else torch             GEMM, else torch
+    "auto"           cpu with a vector GEMM (AVX2   cpu with a vector       torch
+                     or above), else onednn, else   GEMM, else torch
+                     torch
     "cpu"            cpu (its portable loop in a build without AVX2:    ValueError
                      CONVEYOR_CPU_ISA=portable, aarch64; ValueError
                      without the C kernels)
@@ -24,7 +27,8 @@ Results differ from MKL's only by summation order (fp32 rounding).
     "torch"          nn.Linear                      nn.Linear (bf16)        nn.Linear
 
 With "cpu" in bfloat16 the weights are held in bf16 and everything else runs in float32
-(ModelRunner): the activations, the norms, attention and the KV cache.
+(ModelRunner): the activations, the norms, attention and the KV cache; with vdpbf16ps the
+GEMM rounds its input rows to bf16 for the products (sums stay float32).
 """
 
 from __future__ import annotations
@@ -119,8 +123,9 @@ class CpuLinear(nn.Module):
     """y = x @ W.T + b through csrc/linear.c, W held in 16-column panels (inference only).
 
     `weight_dtype` float32 keeps W exactly; bfloat16 holds it in half the bytes (rounded to
-    nearest), each k's 16 columns interleaved as the kernel loads them (linear.c). x, b and
-    y are float32 either way.
+    nearest), as [ceil(N / 16), ceil(K / 2), 16, 2]: k in pairs, the operand vdpbf16ps
+    takes (linear.c). x, b and y are float32 either way; where the build has AVX512-BF16
+    (`kernels.linear_isa` "avx512-bf16") the kernel rounds x to bf16 for the products.
     """
 
     def __init__(
@@ -136,15 +141,18 @@ class CpuLinear(nn.Module):
         n, k = weight.shape
         panel = cpu_kernels.LINEAR_PANEL
         with torch.no_grad():
-            padded = weight.new_zeros(-(-n // panel) * panel, k, dtype=weight_dtype)
-            padded[:n] = weight.detach()
             if weight_dtype == torch.float32:
+                padded = weight.new_zeros(-(-n // panel) * panel, k, dtype=torch.float32)
+                padded[:n] = weight.detach()
                 # [panels, 16, K] -> [panels, K, 16]: each k's 16 weights side by side
-                packed = padded.view(-1, panel, k).transpose(1, 2).contiguous()
+                packed = padded.view(-1, panel, k).transpose(1, 2)
             else:
-                # [panels, 2, 8, K] -> [panels, K, 8, 2]: columns j and 8 + j in one word
-                half = panel // 2
-                packed = padded.view(-1, 2, half, k).permute(0, 3, 2, 1).reshape(-1, k, panel)
+                # k in pairs (an odd K padded with a zero): [panels, 16, K / 2, 2] ->
+                # [panels, K / 2, 16, 2], column j's k = 2i and 2i + 1 in one 32-bit word
+                kp = k + k % 2
+                padded = weight.new_zeros(-(-n // panel) * panel, kp, dtype=weight_dtype)
+                padded[:n, :k] = weight.detach()
+                packed = padded.view(-1, panel, kp // 2, 2).transpose(1, 2)
         self.register_buffer("packed_weight", packed.contiguous(), persistent=False)
         b = None if bias is None else bias.detach().float().contiguous()
         self.register_buffer("bias", b, persistent=False)
@@ -155,12 +163,12 @@ class CpuLinear(nn.Module):
         """Rows `ids` of W as float32 [len(ids), K]: an embedding lookup in the head's
         weights, for a model whose head is its embedding matrix (tied)."""
         panel = cpu_kernels.LINEAR_PANEL
-        col = ids % panel
-        if self.packed_weight.dtype == torch.float32:
-            lane = col
-        else:  # where weight_dtype bfloat16 put column c: 2 c below 8, 2 (c - 8) + 1 above
-            lane = torch.where(col < panel // 2, 2 * col, 2 * (col - panel // 2) + 1)
-        return self.packed_weight[ids // panel, :, lane].float()
+        packed = self.packed_weight
+        if packed.dtype == torch.float32:
+            return packed[ids // panel, :, ids % panel]
+        # bf16 pairs: [len(ids), K / 2, 2] -> [len(ids), K] (less an odd K's padding)
+        rows = packed[ids // panel, :, ids % panel, :]
+        return rows.reshape(len(ids), -1)[:, : self.in_features].float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:

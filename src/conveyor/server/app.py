@@ -1,6 +1,7 @@
 """The FastAPI app: routes, API-key check, lifespan of the engine loop.
 
-    /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /v1/models/{id},
+    /v1/completions, /v1/chat/completions, /v1/responses (POST; GET and DELETE
+    /v1/responses/{id}), /v1/embeddings, /v1/models, /v1/models/{id},
     /tokenize, /detokenize        need a key
     /metrics                      needs it too with metrics_require_api_key
     /health, /ping (GET or HEAD: 200 with {"replicas": N, "serving": M}, or 503 when the
@@ -11,6 +12,7 @@ in server/offload.py's threads; errors go through errors.py.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -40,6 +42,8 @@ from conveyor.server.protocol import (
 )
 from conveyor.server.reasoning import choose_reasoning_parser
 from conveyor.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from conveyor.server.responses_api import ResponseStore, create_response
+from conveyor.server.responses_protocol import ResponsesRequest
 from conveyor.server.streaming import until_disconnected
 from conveyor.server.tenancy import TenantSalt, bearer_credentials
 
@@ -133,6 +137,34 @@ def build_app(
         if tenancy is not None:
             body.cache_salt = tenancy.cache_salt(raw.scope["headers"], body.cache_salt)
         return await until_disconnected(raw, create_chat_completion(ctx, body))
+
+    store = ResponseStore()  # /v1/responses' stored responses (server/responses_api.py)
+
+    def owner(raw: Request) -> bytes:
+        """Whose stored responses a request may see: its tenant's, or its key's."""
+        headers = raw.scope["headers"]
+        if tenancy is not None:
+            tenant = tenancy.tenant(headers)
+        elif api_keys:
+            tenant = bearer_credentials(dict(headers).get(b"authorization", b""))
+        else:
+            return b""
+        return hashlib.sha256(b"conveyor-response-owner\x00" + tenant).digest()
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        if tenancy is not None:
+            body.cache_salt = tenancy.cache_salt(raw.scope["headers"], body.cache_salt)
+        return await until_disconnected(raw, create_response(ctx, store, body, owner(raw)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, raw: Request) -> Response:
+        return JSONResponse(store.get(response_id, owner(raw)))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, raw: Request) -> Response:
+        store.delete(response_id, owner(raw))
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:

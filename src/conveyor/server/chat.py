@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from conveyor.sampling_params import MAX_LOGPROBS
+from conveyor.sampling_params import MAX_LOGPROBS, SamplingParams
 from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_flags
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
@@ -41,69 +42,35 @@ from conveyor.server.tool_parsers import ToolCall
 from conveyor.server.tools import ToolCallStream, ToolSetup, tool_call_dict, tool_setup
 
 
+@dataclass(slots=True)
+class ChatPlan:
+    """A checked chat request, ready for the engine (`prepare_chat`).
+
+    param: the request field its output constraint came from (for the engine's rejections).
+    top: how many top logprobs per token (None: no logprobs).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ToolSetup | None
+    reasoning: ReasoningParser | None
+    param: str | None
+    top: int | None
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> Response:
     """Validate, render the chat template, queue the request, answer as JSON or as SSE.
 
     Raises:
         APIError / ValueError: a bad request (nothing is queued then).
     """
-    ctx.check_model(req.model)
-    req.check_common()
-    req.check_chat()
-    top = None
-    if req.logprobs:
-        top = req.top_logprobs or 0
-        if not 0 <= top <= MAX_LOGPROBS:
-            raise APIError(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}.", param="top_logprobs"
-            )
-    max_tokens = req.max_completion_tokens
-    if max_tokens is None:
-        max_tokens = req.max_tokens
-    params = ctx.with_timeout(req.sampling_params(max_tokens, top))
-    template = req.chat_template
-    if template is None and isinstance(req.chat_template_kwargs, dict):
-        nested = req.chat_template_kwargs.get("chat_template")
-        template = nested if isinstance(nested, str) else None
-    tool_format = ctx.tool_format(template)
-    tools = tool_setup(req.tools, req.tool_choice, tool_format, req.parallel_tool_calls)
-    reasoning = ctx.reasoning(req.chat_template_kwargs, template)
-    if reasoning is not None:
-        _refuse_constraints(req, tools, reasoning)
-    forced = await checked_tool_constraint(tools)
-    if forced is not None:
-        if requested_structured_outputs(req)[0] is not None:
-            raise APIError(
-                f'tool_choice {tools.mode!r} with this server\'s "{tool_format}" tool-call '
-                "format constrains the output itself: send no response_format or "
-                'structured_outputs with it (or tool_choice "none").',
-                param="tool_choice",
-            )
-        structured, param = forced, "tools"
-    else:
-        structured, param = await checked_structured_outputs(req)
-    if structured is not None:
-        params = dataclasses.replace(params, structured_outputs=structured)
-    if tools is not None and tools.stop():
-        params = dataclasses.replace(params, stop=[*params.stop_strings, *tools.stop()])
-    if tools is not None and tools.mode == "auto" and tool_format == "mistral":
-        # [TOOL_CALLS] is a special token: the parser has to see it (as vLLM does).
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    ctx.check_size(params.n)  # before the template runs
-    prompt_ids = await ctx.render_chat(
-        req.messages,
-        bool(req.add_generation_prompt),
-        req.chat_template_kwargs,
-        req.chat_template,
-        req.tools,
-        template_fields(req),
-        tool_setup=tools,
-    )
-    prompt_ids = ctx.truncated(prompt_ids, req.truncate_prompt_tokens)
-    ctx.check_fits(prompt_ids, params, "messages")
+    plan = await prepare_chat(ctx, req)
+    prompt_ids, params, tools, reasoning, top = (
+        plan.prompt_ids, plan.params, plan.tools, plan.reasoning, plan.top
+    )  # fmt: skip
     ctx.admit(params.n)
     request_id = random_id("chatcmpl")
-    stream = relabeled(ctx.engine.generate(prompt_ids, params, request_id), param)
+    stream = relabeled(ctx.engine.generate(prompt_ids, params, request_id), plan.param)
     if req.stream:
         include_usage, continuous_usage = usage_flags(req.stream_options)
         events = _stream(
@@ -160,6 +127,74 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         usage=usage(len(prompt_ids), num_generated, final.num_cached_tokens),
     )
     return JSONResponse(body.model_dump())
+
+
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:
+    """Every check of a chat request, its sampling parameters, tools, output constraint and
+    prompt (the chat template rendered): all but queueing it. /v1/responses maps its
+    requests onto this too (server/responses_api.py).
+
+    Raises:
+        APIError / ValueError: a bad request.
+    """
+    ctx.check_model(req.model)
+    req.check_common()
+    req.check_chat()
+    top = None
+    if req.logprobs:
+        top = req.top_logprobs or 0
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}.", param="top_logprobs"
+            )
+    max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = req.max_tokens
+    params = ctx.with_timeout(req.sampling_params(max_tokens, top))
+    template = req.chat_template
+    if template is None and isinstance(req.chat_template_kwargs, dict):
+        nested = req.chat_template_kwargs.get("chat_template")
+        template = nested if isinstance(nested, str) else None
+    tool_format = ctx.tool_format(template)
+    tools = tool_setup(req.tools, req.tool_choice, tool_format, req.parallel_tool_calls)
+    reasoning = ctx.reasoning(req.chat_template_kwargs, template)
+    if reasoning is not None:
+        _refuse_constraints(req, tools, reasoning)
+    forced = await checked_tool_constraint(tools)
+    if forced is not None:
+        # A forced call ("required", a named function) writes no text, so a response_format
+        # has nothing to govern there (instructor sends both); with "auto" text may come, and
+        # the call grammar cannot also hold the text to a format.
+        if tools.mode == "auto" and requested_structured_outputs(req)[0] is not None:
+            raise APIError(
+                f'tool_choice {tools.mode!r} with this server\'s "{tool_format}" tool-call '
+                "format constrains the output itself: send no response_format or "
+                'structured_outputs with it (or tool_choice "none").',
+                param="tool_choice",
+            )
+        structured, param = forced, "tools"
+    else:
+        structured, param = await checked_structured_outputs(req)
+    if structured is not None:
+        params = dataclasses.replace(params, structured_outputs=structured)
+    if tools is not None and tools.stop():
+        params = dataclasses.replace(params, stop=[*params.stop_strings, *tools.stop()])
+    if tools is not None and tools.mode == "auto" and tool_format == "mistral":
+        # [TOOL_CALLS] is a special token: the parser has to see it (as vLLM does).
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    ctx.check_size(params.n)  # before the template runs
+    prompt_ids = await ctx.render_chat(
+        req.messages,
+        bool(req.add_generation_prompt),
+        req.chat_template_kwargs,
+        req.chat_template,
+        req.tools,
+        template_fields(req),
+        tool_setup=tools,
+    )
+    prompt_ids = ctx.truncated(prompt_ids, req.truncate_prompt_tokens)
+    ctx.check_fits(prompt_ids, params, "messages")
+    return ChatPlan(prompt_ids, params, tools, reasoning, param, top)
 
 
 def _refuse_constraints(

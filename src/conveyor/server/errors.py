@@ -108,7 +108,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if param is None and loc:
             param = loc[0]
         where = ".".join(loc) or "body"
-        part = f"{where}: {e.get('msg')}"
+        msg = e.get("msg")
+        if e.get("type") == "extra_forbidden":  # OpenAI's wording for a field it does not know
+            msg = "unrecognized request argument (this server does not know or honour it)"
+        part = f"{where}: {msg}"
         if part not in parts:
             parts.append(part)
     return "; ".join(parts) or "Invalid request.", param

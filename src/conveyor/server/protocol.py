@@ -74,7 +74,10 @@ class StreamOptions(OpenAIModel):
 
 
 class _GenerationRequest(OpenAIModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. Unknown fields are refused (a 400
+    naming the field): a field this server does not know is one it would not honour."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: Int | None = None

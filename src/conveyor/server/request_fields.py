@@ -70,6 +70,29 @@ CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": ((), "documents are not supported (put them in the messages)"),
 }
 
+# /v1/responses (server/responses_protocol.py): OpenAI's hints there, README's table too.
+RESPONSES_HINTS = NO_OP_HINTS | {"max_tool_calls", "stream_options"}
+
+# Refused on /v1/responses unless they ask for nothing.
+RESPONSES_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "background": ((False,), "background responses are not supported by this server"),
+    "conversation": ((), "conversations are not stored by this server (use previous_response_id)"),
+    "include": (([],), "this server has no extra output data to include"),
+    "truncation": (
+        ("disabled",),
+        "an input longer than the context is a 400 (truncation 'disabled')",
+    ),
+    "top_logprobs": ((0,), "logprobs are not supported on /v1/responses"),
+    "prompt": ((), "stored prompt templates are not supported by this server"),
+    "prompt_cache_retention": REFUSED["prompt_cache_retention"],
+    "prompt_cache_options": REFUSED["prompt_cache_options"],
+    "moderation": REFUSED["moderation"],
+    "access_programs": ((), "access programs are not supported by this server"),
+    "background_options": ((), "background responses are not supported by this server"),
+    "context_management": ((), "context management (compaction) is not supported"),
+    "image": ((), "this server generates text only"),
+}
+
 # Request fields passed to the chat template when it reads them (else refused).
 TEMPLATE_FIELDS = ("reasoning_effort", "verbosity")
 

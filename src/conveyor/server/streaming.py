@@ -27,8 +27,9 @@ def sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    """Stream `events`; an exception becomes an error event, and [DONE] always ends it.
+def sse_response(events: AsyncIterator[str], done: bool = True) -> StreamingResponse:
+    """Stream `events`; an exception becomes an error event, and [DONE] always ends it
+    (unless `done` is false: /v1/responses ends with its own last event, as OpenAI's does).
 
     Events are encoded to UTF-8 here, inside the `try`, rather than by Starlette after it: a
     string that cannot be encoded (a lone surrogate, which `json` lets through into the fast
@@ -43,7 +44,8 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
             yield sse_error(exc).encode()
         # A client that goes away cancels this task (Starlette listens for the disconnect);
         # the CancelledError runs down into AsyncLLM's stream, which aborts the request.
-        yield DONE.encode()
+        if done:
+            yield DONE.encode()
 
     return StreamingResponse(framed(), media_type="text/event-stream")
 

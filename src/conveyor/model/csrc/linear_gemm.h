@@ -2,9 +2,11 @@
  * once per type after defining
  *
  *   GEMM_FN      the entry point's name
- *   W_T          the packed weights' element type (16 per k of a panel)
- *   LOAD_W(wk, w0, w1)  (AVX2) columns 0-7 and 8-15 of the 16 weights at wk as two __m256
- *   W_AT(wk, j)  (portable) column j of the 16 weights at wk as a float
+ *   W_T          the packed weights' element type
+ *   KSTEP(k)     a panel's length in k as stored (K, or K rounded up to the pair for bf16)
+ *   LOAD_W(panel, kk, w0, w1)   (AVX2) columns 0-7 and 8-15 of k = kk as two __m256
+ *   LOAD_W512(panel, kk)        (AVX-512) the 16 columns of k = kk as one __m512
+ *   W_AT(panel, kk, j)          (portable) column j of k = kk as a float
  *   SUFFIX       a token that keeps each instance's static helpers apart
  *
  * and undefines them afterwards. What the kernel does and why is in linear.c.
@@ -13,8 +15,63 @@
 #define CAT(a, b) CAT_(a, b)
 #define MICRO_FN(R) CAT(CAT(micro, R), SUFFIX)
 #define MICROS_TABLE CAT(micros, SUFFIX)
+#define WIDE_FN(R) CAT(CAT(wide, R), SUFFIX)
+#define WIDES_TABLE CAT(wides, SUFFIX)
 
-#ifdef CONVEYOR_AVX2
+#if defined(CONVEYOR_GEMM512)
+
+/* o[0..R) x [0..cols) (+)= x[0..R) x [0..kb) . panel[0..kb) x [0..16); first: start from
+ * the bias (or 0) instead of o. x is packed (pack_rows: row r of k at x[k * MR + r]). One
+ * zmm accumulator per row; R is a constant in each instance, so the loops over rows unroll
+ * and the accumulators stay in registers. The wide instances (P = WIDE panels, for a few
+ * rows) take P panels side by side, pstride apart, the last with `cols` columns: more
+ * independent accumulators, so a row or two do not wait on one FMA's latency per k; each
+ * output's sum is the same as in one panel's instance. */
+#define MICRO_P(R, P, NAME)                                                                    \
+    static void NAME(const float *x, int64_t pstride, const W_T *panel, int64_t kb,            \
+                     const float *bias, int first, int prefetch, float *o, int64_t ldo,        \
+                     int cols)                                                                 \
+    {                                                                                          \
+        enum { RR = R, PP = P };                                                               \
+        __mmask16 mask[PP];                                                                    \
+        __m512 c[PP][RR];                                                                      \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                                 \
+            mask[j] = j == PP - 1 ? (__mmask16)((1u << cols) - 1) : (__mmask16)0xFFFF;          \
+            const __m512 b = first && bias ? _mm512_maskz_loadu_ps(mask[j], bias + j * NR)     \
+                                           : _mm512_setzero_ps();                              \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                    \
+                first ? b : _mm512_maskz_loadu_ps(mask[j], o + r * ldo + j * NR);              \
+        }                                                                                      \
+        int64_t kk = 0;                                                                        \
+        for (; kk + 1 < kb; kk += 2) {                                                         \
+            K_STEP512(kk, 0)                                                                   \
+            K_STEP512(kk + 1, 1)                                                               \
+        }                                                                                      \
+        if (kk < kb) K_STEP512(kk, 0)                                                          \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++)                                   \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++)                              \
+                _mm512_mask_storeu_ps(o + r * ldo + j * NR, mask[j], c[j][r]);                 \
+    }
+/* One k of the block (odd: k is the second of its pair, a constant); the prefetch runs
+ * PREFETCH_BYTES ahead in each panel, once per 64-byte line. */
+#define K_STEP512(k_, odd)                                                                     \
+    {                                                                                          \
+        const int64_t kx = (k_);                                                               \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                                 \
+            const W_T *pj = panel + j * pstride;                                               \
+            if (prefetch && (!(odd) || PREFETCH_ODD))                                          \
+                _mm_prefetch((const char *)(pj + kx * NR) + PREFETCH_BYTES, _MM_HINT_T0);      \
+            const __m512 w = LOAD_W512(pj, kx, odd);                                           \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                    \
+                _mm512_fmadd_ps(_mm512_set1_ps(x[kx * MR + r]), w, c[j][r]);                   \
+        }                                                                                      \
+    }
+#define MICRO(R) MICRO_P(R, 1, MICRO_FN(R))
+#define WIDE(R) MICRO_P(R, WIDE_P, WIDE_FN(R))
+MICROS_ALL
+WIDES_ALL
+
+#elif defined(CONVEYOR_AVX2)
 
 /* o[0..R) x [0..cols) (+)= x[0..R) x [0..kb) . panel[0..kb) x [0..16); first: start from
  * the bias (or 0) instead of o. */
@@ -29,35 +86,82 @@
         __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;                     \
         c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = b0;            \
         ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5)                 \
-        for (int64_t kk = 0; kk < kb; kk++) {                                                  \
-            const W_T *wk = panel + kk * NR;                                                   \
-            if (prefetch) _mm_prefetch((const char *)(wk + PREFETCH_K * NR), _MM_HINT_T0);    \
-            __m256 w0, w1;                                                                     \
-            LOAD_W(wk, w0, w1);                                                                \
-            ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)                  \
+        int64_t kk = 0;                                                                        \
+        for (; kk + 1 < kb; kk += 2) {                                                         \
+            K_STEP(kk, 0)                                                                      \
+            K_STEP(kk + 1, 1)                                                                  \
         }                                                                                      \
+        if (kk < kb) K_STEP(kk, 0)                                                             \
         ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)          \
     }
-MICRO(6)
-MICRO(5)
-MICRO(4)
-MICRO(3)
-MICRO(2)
-MICRO(1)
-#undef MICRO
+#define K_STEP(k_, odd)                                                                        \
+    {                                                                                          \
+        const int64_t kx = (k_);                                                               \
+        if (prefetch) _mm_prefetch((const char *)(panel + (kx + PREFETCH_K) * NR), _MM_HINT_T0); \
+        __m256 w0, w1;                                                                         \
+        LOAD_W(panel, kx, odd, w0, w1);                                                        \
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)                      \
+    }
+MICROS_ALL
+
+#endif
+
+#if defined(CONVEYOR_AVX2)
 
 static void (*const MICROS_TABLE[MR + 1])(const float *, int64_t, const W_T *, int64_t,
                                           const float *, int, int, float *, int64_t, int) = {
-    0, MICRO_FN(1), MICRO_FN(2), MICRO_FN(3), MICRO_FN(4), MICRO_FN(5), MICRO_FN(6)};
+    MICROS_LIST};
+#if defined(CONVEYOR_GEMM512)
+static void (*const WIDES_TABLE[WIDE_R + 1])(const float *, int64_t, const W_T *, int64_t,
+                                             const float *, int, int, float *, int64_t, int) = {
+    WIDES_LIST};
+#undef WIDE
+#endif
+#undef MICRO
 
 /* out[m, n] = x[m, k] . W^T + bias (bias may be NULL). */
 void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,
              const float *bias, float *out, int64_t ldo, int num_threads)
 {
-    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t panels = (n + NR - 1) / NR, kstep = KSTEP(k);
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
+#if defined(CONVEYOR_GEMM512)
+    /* x's block of rows packed once for every panel (NULL: packed per micro-kernel call) */
+    const size_t block_rows = (size_t)((m < MC ? m : MC) + MR - 1) / MR * MR;
+    float *xb = pack_buffer(block_rows * (size_t)(k > 0 ? k : 1) * sizeof(float));
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mb = m - m0 < MC ? m - m0 : MC;
+#if defined(CONVEYOR_GEMM512)
+        if (xb) pack_rows(x + m0 * ldx, ldx, mb, k, xb);
+#endif
+#if defined(CONVEYOR_GEMM512)
+        if (mb <= WIDE_R && xb) { /* a few rows: WIDE_P panels at a time */
+            const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
+            #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t p0 = g * WIDE_P;
+                const int64_t np = panels - p0 < WIDE_P ? panels - p0 : WIDE_P;
+                for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += KC) { /* K = 0: the bias */
+                    const int64_t kb = k - k0 < KC ? k - k0 : KC;
+                    for (int64_t p = p0; p < p0 + np; p += (np == WIDE_P ? WIDE_P : 1)) {
+                        const int64_t last = np == WIDE_P ? p + WIDE_P - 1 : p;
+                        const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
+                        const W_T *panel = packed + (p * kstep + k0) * NR;
+                        const float *pbias = bias ? bias + p * NR : 0;
+                        float *o = out + m0 * ldo + p * NR;
+                        if (np == WIDE_P)
+                            WIDES_TABLE[mb](xb + k0 * MR, kstep * NR, panel, kb, pbias, k0 == 0,
+                                            1, o, ldo, cols);
+                        else
+                            MICROS_TABLE[mb](xb + k0 * MR, 0, panel, kb, pbias, k0 == 0, 1, o,
+                                             ldo, cols);
+                    }
+                }
+            }
+            continue;
+        }
+#endif
         #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
         for (int64_t p = 0; p < panels; p++) {
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
@@ -65,11 +169,23 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
             float *o = out + m0 * ldo + p * NR;
             for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += KC) { /* K = 0: the bias */
                 const int64_t kb = k - k0 < KC ? k - k0 : KC;
-                const W_T *panel = packed + (p * k + k0) * NR;
+                /* k0 is a multiple of KC, so even: a whole pair in bf16's layout */
+                const W_T *panel = packed + (p * kstep + k0) * NR;
                 for (int64_t r = 0; r < mb; r += MR) {
                     const int rows = (int)(mb - r < MR ? mb - r : MR);
+#if defined(CONVEYOR_GEMM512)
+                    float xs[xb ? 1 : MR * KC];
+                    const float *xr = xb + r * k + k0 * MR;
+                    if (!xb) {
+                        pack_rows(x + (m0 + r) * ldx + k0, ldx, rows, kb, xs);
+                        xr = xs;
+                    }
+                    MICROS_TABLE[rows](xr, MR, panel, kb, pbias, k0 == 0, r == 0, o + r * ldo,
+                                       ldo, cols);
+#else
                     MICROS_TABLE[rows](x + (m0 + r) * ldx + k0, ldx, panel, kb, pbias, k0 == 0,
                                        r == 0, o + r * ldo, ldo, cols);
+#endif
                 }
             }
         }
@@ -85,12 +201,12 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
 void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,
              const float *bias, float *out, int64_t ldo, int num_threads)
 {
-    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t panels = (n + NR - 1) / NR, kstep = KSTEP(k);
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t p = 0; p < panels; p++) {
         const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-        const W_T *panel = packed + p * k * NR;
+        const W_T *panel = packed + p * kstep * NR;
         for (int64_t r0 = 0; r0 < m; r0 += PR) {
             const int rows = (int)(m - r0 < PR ? m - r0 : PR);
             float acc[PR][NR];
@@ -98,9 +214,8 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
                 for (int j = 0; j < NR; j++)
                     acc[r][j] = bias && j < cols ? bias[p * NR + j] : 0.f;
             for (int64_t kk = 0; kk < k; kk++) {
-                const W_T *wk = panel + kk * NR;
                 float w[NR];
-                for (int j = 0; j < NR; j++) w[j] = W_AT(wk, j);
+                for (int j = 0; j < NR; j++) w[j] = W_AT(panel, kk, j);
                 for (int r = 0; r < rows; r++) {
                     const float a = x[(r0 + r) * ldx + kk];
                     for (int j = 0; j < NR; j++)
@@ -115,7 +230,11 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
 
 #endif
 
+#undef K_STEP
+#undef K_STEP512
 #undef MICRO_FN
 #undef MICROS_TABLE
+#undef WIDE_FN
+#undef WIDES_TABLE
 #undef CAT
 #undef CAT_
