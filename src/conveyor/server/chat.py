@@ -87,13 +87,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         )
         return sse_response(events)
 
-    final: RequestOutput | None = None
-    async for out in stream:
-        if final is None:
-            final = out
-        else:
-            final.add(out)
-    assert final is not None  # a stream always ends with a finished output
+    final = await whole_output(stream)
     choices = []
     for c in final.outputs:
         thinking, text = None, c.text
@@ -127,6 +121,18 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         usage=usage(len(prompt_ids), num_generated, final.num_cached_tokens),
     )
     return JSONResponse(body.model_dump())
+
+
+async def whole_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """A request's stream of deltas gathered into its whole output (a non-streamed answer)."""
+    final: RequestOutput | None = None
+    async for out in stream:
+        if final is None:
+            final = out
+        else:
+            final.add(out)
+    assert final is not None  # a stream always ends with a finished output
+    return final
 
 
 async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatPlan:

@@ -30,7 +30,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
-from conveyor.server.chat import ChatPlan, prepare_chat
+from conveyor.server.chat import ChatPlan, prepare_chat, whole_output
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.offload import INLINE_CHARS, maybe_off_loop
@@ -136,13 +136,7 @@ async def create_response(
     if req.stream:
         events = _events(ctx, store, req, stream, plan, response, turn, owner)
         return sse_response(events, done=False)
-    final: RequestOutput | None = None
-    async for out in stream:
-        if final is None:
-            final = out
-        else:
-            final.add(out)
-    assert final is not None  # a stream always ends with a finished output
+    final = await whole_output(stream)
     c = final.outputs[0]
     thinking, text = None, c.text
     if plan.reasoning is not None:  # tool calls are read from the answer after its thinking
