@@ -31,7 +31,6 @@ ISA_TESTS = {
     "portable": [
         "tests/test_cpu_kernels.py",
         "tests/test_linear.py",
-        "tests/test_cpu_build.py",
         "tests/test_quant_linear.py",
         "tests/test_parity.py::test_greedy_parity_with_ample_kv[llama]",
     ],

@@ -222,7 +222,9 @@ def test_a_streamed_response_is_the_whole_one_event_by_event(client) -> None:
         "response.incomplete",
     ]  # fmt: skip
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
-    assert len(deltas) >= 6  # token by token (a token may hold back a partial character)
+    # Token by token while the client keeps up; a client that falls behind gets the waiting
+    # deltas folded into one (RequestStream.outputs), so on a loaded machine there may be one.
+    assert deltas and "" not in deltas
     done = next(e for e in events if e.type == "response.output_text.done")
     assert "".join(deltas) == done.text == whole.output_text
     last = events[-1].response

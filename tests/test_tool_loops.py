@@ -321,7 +321,8 @@ def test_a_streamed_auto_answer_arrives_token_by_token(servers) -> None:
             pieces += [c.delta.content] if c.delta.content else []
     if whole.message.tool_calls:
         pytest.skip("the random model wrote a <tool_call>")
-    assert len(pieces) > 5 and "".join(pieces) == whole.message.content
+    # (a client that falls behind gets waiting deltas folded: there may be a single piece)
+    assert pieces and "".join(pieces) == whole.message.content
 
 
 def test_parallel_tool_calls_false_makes_at_most_one_call(servers) -> None:
