@@ -41,8 +41,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     attention_backend: str = "auto"
-    # GEMMs: "onednn" (weights prepacked once for oneDNN; the default on CPU in float32),
-    # "torch" (nn.Linear), or "auto" (onednn where it runs, else torch). model/linear.py.
+    # GEMMs: "cpu" (our C kernel on weights packed once at load, float32 or bfloat16),
+    # "onednn" (weights prepacked once for oneDNN, float32), "torch" (nn.Linear), or "auto"
+    # (on CPU: cpu where the build has a vector GEMM, else onednn in float32, else torch;
+    # torch elsewhere). model/linear.py.
     linear_backend: str = "auto"
     # GGUF weights kept quantized (model/quant_linear.py): activations quantized per block of
     # 32 to 8 bits in 2 passes (the second holds the first's rounding error: close to fp32's

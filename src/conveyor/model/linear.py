@@ -10,7 +10,7 @@ multiplication. Both packed backends lay the weight out once:
   bf16 panels through vdpbf16ps where the CPU has AVX512-BF16 (x rounded to bf16 then), a
   plain C loop over the same panels in a build without AVX2. `kernels.linear_isa` names
   the path (logged when the kernels load); benchmarks/linear_bf16.py measures it against
-  oneDNN and torch (README).
+  oneDNN and torch (docs/benchmarks.md).
 - "onednn" (PackedLinear): oneDNN's blocked layout from
   `torch.ops.mkldnn._reorder_linear_weight` (the route vLLM-CPU and IPEX take).
 

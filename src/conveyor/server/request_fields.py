@@ -6,7 +6,7 @@ tests/test_request_fields.py checks that each is classified, so none is silently
 
     honoured  it changes the answer (sampling, the prompt, the output shape, ...)
     hint      OpenAI defines it as information for the provider that changes no output:
-              accepted after a type check, then ignored (NO_OP_HINTS; README's table)
+              accepted after a type check, then ignored (NO_OP_HINTS; docs/serving.md's table)
     refused   a feature this server lacks: a 400 naming the field unless the value is one
               that asks for nothing (REFUSED: null, or the listed values)
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from conveyor.server.errors import APIError
 
-# OpenAI's hints: no effect on what is generated. README's server section lists them.
+# OpenAI's hints: no effect on what is generated. docs/serving.md lists them.
 NO_OP_HINTS = frozenset(
     {"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
 )
@@ -70,7 +70,7 @@ CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": ((), "documents are not supported (put them in the messages)"),
 }
 
-# /v1/responses (server/responses_protocol.py): OpenAI's hints there, README's table too.
+# /v1/responses (server/responses_protocol.py): OpenAI's hints there, docs/serving.md's table too.
 RESPONSES_HINTS = NO_OP_HINTS | {"max_tool_calls", "stream_options"}
 
 # Refused on /v1/responses unless they ask for nothing.

@@ -32,7 +32,7 @@
  * reuse it; the partial sums wait in out). Threads split the panels. The first row block of
  * each panel prefetches the weights ahead of it: at decode batch sizes (a few to a few dozen
  * rows) the weights stream from DRAM once per step and this is what bounds a step.
- * benchmarks/linear_bf16.py measures each path against oneDNN and torch (README).
+ * benchmarks/linear_bf16.py measures each path against oneDNN and torch (docs/benchmarks.md).
  */
 #include <stdint.h>
 #include <stdlib.h>
