@@ -9,6 +9,8 @@ need rows of 256 values, so their case uses a wider model.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -21,6 +23,7 @@ from tests.hf_checkpoints import greedy_reference, write_checkpoint
 from tests.logprobs_close import check_logprobs_close
 
 from conveyor import LLM, SamplingParams
+from conveyor.engine.gguf_tokenizer import gguf_tokenizer
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.model import cpu_kernels
 from conveyor.model.checkpoint import check_checkpoint
@@ -186,3 +189,31 @@ def test_a_gguf_named_file_that_is_not_gguf_is_refused(tmp_path):
     fake.write_bytes(b"PK\x03\x04 not a gguf")
     with pytest.raises(ValueError, match=r"is not a GGUF file"):
         check_checkpoint(str(fake))
+
+
+def test_the_gguf_tokenizer_is_transformers_own_built_without_torch(gguf_case):
+    """engine/gguf_tokenizer.py reads the file with conveyor's reader (no torch, for the
+    server process) and gives what transformers' from_pretrained(gguf_file=...) gives."""
+    _, _, file, _, _, _ = gguf_case
+    ours = gguf_tokenizer(file)
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(
+        str(file.parent), gguf_file=file.name
+    )
+    texts = ["Hello world! The quick brown fox, 😀 日本語", "  two  spaces\n\ttab", ""]
+    texts.append(f"{theirs.eos_token} after eos {theirs.bos_token or ''}")
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(
+            text, add_special_tokens=False
+        )
+    assert ours.get_vocab() == theirs.get_vocab()
+    assert ours.added_tokens_decoder == theirs.added_tokens_decoder
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    ids = theirs.encode(texts[0])
+    assert ours.decode(ids) == theirs.decode(ids)
+    code = (
+        "import sys; from conveyor.engine.tokenizer import Tokenizer; "
+        f"Tokenizer.from_pretrained({str(file)!r}); assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -33,7 +33,6 @@ from conveyor.engine.outputs import Metric, MetricName, RequestMetrics, RequestO
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from conveyor.model.checkpoint import check_checkpoint
 from conveyor.model.pooling_config import read_pooling_config
-from conveyor.parallel.launch import create_runner, shutdown_runner
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,7 +56,10 @@ class LLMEngine:
         # The file checks first: a wrong folder is named before any weight is read.
         check_checkpoint(config.model, config.tokenizer)
         # model None: the runner builds the demo checkpoint. tensor_parallel_size > 1: rank 0
-        # of a group of worker processes (conveyor.parallel).
+        # of a group of worker processes (conveyor.parallel). Imported here, with torch: a
+        # server whose engine runs in another process imports this module without either.
+        from conveyor.parallel.launch import create_runner
+
         self.runner = create_runner(config)
         self.model_path = self.runner.model_path
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
@@ -223,6 +225,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit; no-op otherwise)."""
+        from conveyor.parallel.launch import shutdown_runner
+
         shutdown_runner(self.runner)
         self.grammars.shutdown()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from conveyor.model.checkpoint import find_gguf_file
 from conveyor.sampling_params import SamplingParams
@@ -60,16 +60,18 @@ class Tokenizer:
         """
         gguf_file = find_gguf_file(path)
         if gguf_file is not None:
-            # transformers builds the tokenizer and its chat template from the file's metadata.
-            # The fast class directly: AutoTokenizer would first parse the whole file again to
-            # find the model type (5 s more for a 50k vocabulary), and builds the same one.
-            hf = PreTrainedTokenizerFast.from_pretrained(
-                str(gguf_file.parent), gguf_file=gguf_file.name
-            )
-            return cls(hf)
+            # transformers' converter builds the tokenizer and its chat template from the
+            # file's metadata, read without torch (the server process never needs it).
+            from conveyor.engine.gguf_tokenizer import gguf_tokenizer
+
+            return cls(gguf_tokenizer(gguf_file))
         if not Path(path).is_dir():
             # Never fall through to a hub download: checkpoints are local directories.
             raise ValueError(f"tokenizer directory not found: {str(path)!r}")
+        # Imported here: transformers' AutoTokenizer imports torch, which a GGUF file's
+        # tokenizer does without.
+        from transformers import AutoTokenizer
+
         hf = AutoTokenizer.from_pretrained(str(path))
         return cls(hf, _generation_eos_ids(Path(path)))
 

@@ -107,7 +107,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, make_attn: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # No random init: the loader fills it (built under the meta device, whose normal_
+        # would import torch._dynamo and triton: ~150 MB and a second of start-up).
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, make_attn(i)) for i in range(config.num_hidden_layers)
         )
