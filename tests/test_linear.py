@@ -275,3 +275,19 @@ def test_cpu_onednn_and_torch_linears_give_the_same_greedy_tokens(kernels, demo_
                 assert a.keys() == b.keys()  # the sampled token and the top one
                 for tid in a:
                     assert a[tid].logprob == pytest.approx(b[tid].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_long_batches_give_each_row_what_it_gets_alone(kernels, weight_dtype):
+    """Rows of a long batch (prefill) go through the GEMM's wide tiles (groups of panels, rows
+    eight at a time, with a remainder of rows and of panels); each output is still the one sum
+    over k in order a row gets on its own, bit for bit."""
+    torch.manual_seed(1)
+    n, k = 16 * 7 + 5, 600  # two groups of three full panels, a full one and a partial one
+    lin = CpuLinear(torch.randn(n, k) / k**0.5, torch.randn(n), kernels, weight_dtype)
+    x = torch.randn(300, k)  # MC (288) rows and a rest; tiles of 8 and a rest of 4
+    with torch.inference_mode():
+        whole = lin(x)
+        for i in (0, 7, 8, 15, 21, 287, 288, 299):
+            assert torch.equal(lin(x[i : i + 1]), whole[i : i + 1]), i
+        assert torch.equal(lin(x[3:24]), whole[3:24])

@@ -53,6 +53,7 @@
 #define NR 16
 #define KC 256 /* a panel's block: 16 KiB of float32 (or of bf16 pairs in vdpbf16ps's loop) */
 #define PARALLEL_MIN_FLOPS (1 << 16)
+#define PACK_PARALLEL_MIN (1 << 15) /* x's values rounded and spread by every thread */
 
 #if defined(CONVEYOR_GEMM512)
 /* 32 zmm registers: MR accumulators, the panel's zmm and the broadcast x. */
@@ -255,6 +256,18 @@ static void round_pairs(const float *x, int64_t k, uint32_t *out)
     }
 }
 
+/* Row x [k] rounded to pairs and spread as the micro-kernels read it: pair q at
+ * blk[q MR]. */
+static void pack_pairs_row(const float *x, int64_t k, uint32_t *blk)
+{
+    uint32_t words[16];
+    for (int64_t i = 0; i < k; i += 32) {
+        const int64_t len = k - i < 32 ? k - i : 32;
+        round_pairs(x + i, len, words);
+        for (int64_t q = 0; q < (len + 1) / 2; q++) blk[(i / 2 + q) * MR] = words[q];
+    }
+}
+
 /* As MICRO_P in linear_gemm.h, on pairs: xp packed as pack_rows packs floats (row r's pair q
  * at xp[q MR + r]), the panel's pair q of its 16 columns one 64-byte line. */
 #define MICRO_DP(R, P, NAME)                                                                   \
@@ -308,6 +321,39 @@ MICRO_DP(2, WIDE_P, wide2_dp)
 MICRO_DP(1, WIDE_P, wide1_dp)
 #undef MICRO_DP
 
+/* Long x (prefill): TR rows x TP panels of accumulators (24 zmm), each k pair's TP weight
+ * vectors loaded once and each row's pair broadcast once into a register, then used TP
+ * times: 11 loads for 24 vdpbf16ps where the 16 x 1 micro-kernel issues 17 loads for 16 (a
+ * broadcast from memory is a load, so that kernel is bound by its loads). Each output's sum
+ * is the same as in the micro-kernels (bias first, then the pairs in order): a row's result
+ * does not depend on the path its batch takes. xp as micros_dp take it (rows MR apart). */
+#define TR 8
+#define TP 3
+#define TQ 128 /* pairs per block: TP panels x 128 pairs x 64 B = 24 KiB, in L1 with x's */
+static void tile_dp(const uint32_t *xp, int64_t pstride, const uint16_t *panel, int64_t pairs,
+                    const float *bias, int first, float *o, int64_t ldo, int rows)
+{
+    __m512 c[TR][TP];
+    for (int j = 0; j < TP; j++) {
+        const __m512 b = first && bias ? _mm512_loadu_ps(bias + j * NR) : _mm512_setzero_ps();
+        _Pragma("GCC unroll 8") for (int r = 0; r < TR; r++) c[r][j] =
+            first ? b : _mm512_loadu_ps(o + r * ldo + j * NR);
+    }
+    for (int64_t q = 0; q < pairs; q++) {
+        __m512bh w[TP];
+        _Pragma("GCC unroll 3") for (int j = 0; j < TP; j++) w[j] =
+            (__m512bh)_mm512_loadu_si512(panel + j * pstride + q * 2 * NR);
+        _Pragma("GCC unroll 8") for (int r = 0; r < TR; r++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[q * MR + r]);
+            _Pragma("GCC unroll 3") for (int j = 0; j < TP; j++) c[r][j] =
+                _mm512_dpbf16_ps(c[r][j], a, w[j]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        _Pragma("GCC unroll 3") for (int j = 0; j < TP; j++)
+            _mm512_storeu_ps(o + r * ldo + j * NR, c[r][j]);
+}
+
 typedef void (*micro_dp_fn)(const uint32_t *, int64_t, const uint16_t *, int64_t, const float *,
                             int, int, float *, int64_t, int);
 static const micro_dp_fn micros_dp[MR + 1] = {
@@ -322,9 +368,9 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
 {
     const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, qc = KC;
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
-    /* a block of rows in packed pairs, then one row's pairs before they are spread */
+    /* a block of rows in packed pairs */
     const size_t block_rows = (size_t)((m < MC ? m : MC) + MR - 1) / MR * MR;
-    const size_t words = block_rows * (size_t)(kp ? kp : 1) + (size_t)kp;
+    const size_t words = block_rows * (size_t)(kp ? kp : 1);
     uint32_t *xp = pack_buffer(words * sizeof *xp);
     if (!xp) { /* no memory for the rounded rows: the widening kernel packs on the stack */
         conveyor_linear_bf16_widened(x, ldx, m, packed, n, k, bias, out, ldo, num_threads);
@@ -332,12 +378,10 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
     }
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mb = m - m0 < MC ? m - m0 : MC;
-        uint32_t *row = xp + block_rows * kp;
-        for (int64_t r = 0; r < mb; r++) {
-            round_pairs(x + (m0 + r) * ldx, k, row);
-            uint32_t *blk = xp + (r / MR) * MR * kp + r % MR;
-            for (int64_t q = 0; q < kp; q++) blk[q * MR] = row[q];
-        }
+        #pragma omp parallel for num_threads(num_threads) schedule(static) \
+            if (parallel && mb * k >= PACK_PARALLEL_MIN)
+        for (int64_t r = 0; r < mb; r++)
+            pack_pairs_row(x + (m0 + r) * ldx, k, xp + (r / MR) * MR * kp + r % MR);
         if (mb <= WIDE_R) { /* a few rows: WIDE_P panels at a time */
             const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
             #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
@@ -358,8 +402,28 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
             }
             continue;
         }
+        /* whole groups of TP full panels through tile_dp, TR rows at a time; the rest
+         * (the last panels, a remainder of rows) through the micro-kernels */
+        const int64_t full = n / NR, groups = mb >= TR ? full / TP : 0;
         #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-        for (int64_t p = 0; p < panels; p++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p = g * TP;
+            for (int64_t q0 = 0; q0 == 0 || q0 < kp; q0 += TQ) {
+                const int64_t qb = kp - q0 < TQ ? kp - q0 : TQ;
+                const uint16_t *panel = packed + (p * kp + q0) * 2 * NR;
+                int64_t r = 0;
+                for (; r + TR <= mb; r += TR)
+                    tile_dp(xp + (r / MR) * MR * kp + r % MR + q0 * MR, kp * 2 * NR, panel, qb,
+                            bias ? bias + p * NR : 0, q0 == 0, out + (m0 + r) * ldo + p * NR,
+                            ldo, TR);
+                for (int64_t j = 0; r < mb && j < TP; j++)
+                    micros_dp[mb - r](xp + (r / MR) * MR * kp + r % MR + q0 * MR, 0, panel + j * kp * 2 * NR, qb,
+                                      bias ? bias + (p + j) * NR : 0, q0 == 0, 0,
+                                      out + (m0 + r) * ldo + (p + j) * NR, ldo, NR);
+            }
+        }
+        #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+        for (int64_t p = groups * TP; p < panels; p++) {
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
             const float *pbias = bias ? bias + p * NR : 0;
             float *o = out + m0 * ldo + p * NR;
