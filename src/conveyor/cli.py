@@ -3,7 +3,9 @@
 Adding a command (`serve`, `simulate`, `bench`, ...) means writing two functions, `_add_<name>`
 (its subparser, ending in `set_defaults(func=_<name>)`) and `_<name>(args) -> int` (the work),
 and listing `_add_<name>` in `_COMMANDS`. Commands import their heavy modules (torch, the
-engine) inside `_<name>`, so `conveyor --version` and `--help` stay instant.
+engine) inside `_<name>`, so `conveyor --version` and `--help` stay instant; `serve`'s and
+`simulate`'s settings flags are made from the config dataclasses' fields
+(conveyor/settings.py), which are plain Python.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
+    from conveyor.engine.config import EngineConfig
+    from conveyor.server.config import ServerConfig
+    from conveyor.settings import add_sectioned_flags
+
     parser = commands.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API (demo model without --model)",
@@ -82,87 +88,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--config FILE, then these flags. SIGTERM or Ctrl-C stops admitting requests, lets "
         "in-flight ones finish for --shutdown-timeout seconds, then aborts the rest.",
     )
-    # Every default is None: an unset flag leaves the config file's value (or the default).
-    add = parser.add_argument
-    add("--model", help="HF checkpoint folder (default: the embedded demo model)")
-    add("--config", metavar="FILE", type=Path, help="YAML settings, e.g. configs/demo.yaml")
-    add("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
-    add("--port", type=int, help="port (default 8000)")
-    add("--api-key", nargs="+", action="extend", metavar="KEY", help="require 'Authorization: "
-        f"Bearer KEY', one of these keys (or set ${_API_KEY_ENV}, comma-separated)")  # fmt: skip
-    add("--cache-salt-from", metavar="SOURCE", help="isolate tenants in the prefix cache: "
-        "api-key (each key is a tenant) or header:NAME (a tenant header's value)")  # fmt: skip
-    add("--served-model-name", metavar="NAME", nargs="+", help="model name(s) clients send; "
-        "the first is reported (default: the --model folder's name)")  # fmt: skip
-    add("--scheduler", metavar="NAME", help="scheduling policy (default fifo)")
-    add("--max-num-seqs", type=int, metavar="N", help="max requests per step (default 64)")
-    add("--max-num-batched-tokens", type=int, metavar="N", help="token budget per step")
-    add("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
-    add("--num-kv-blocks", type=int, metavar="N", help="KV blocks (default: from memory)")
-    add("--kv-cache-space-gb", type=float, metavar="GB", help="KV memory if no block count")
-    add("--gpu-memory-utilization", type=float, metavar="F", help="CUDA: fraction of the "
-        "GPU the engine may use when the KV cache is not sized otherwise (0.9)")  # fmt: skip
-    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-        help="reuse the K/V of repeated prompt prefixes (default: on)")  # fmt: skip
-    add("--max-model-len", type=int, metavar="N", help="cap on prompt + output tokens")
-    add("--tokenizer", metavar="DIR", help="tokenizer folder (default: the model's)")
-    add("--dtype", help="auto, float32, float16 or bfloat16")
-    add("--device", help="auto, cpu or cuda")
-    add("--data-parallel-size", type=int, metavar="N", help="N engine replicas, each on its own "
-        "GPU or CPU cores; requests go to the least loaded (default 1)")  # fmt: skip
-    add("--max-replica-restarts", type=int, metavar="N", help="restart a data-parallel replica "
-        "whose engine died up to N times, then exit 1 (default 3)")  # fmt: skip
-    add("--attention-backend", metavar="NAME", help="auto, cpu, torch or triton")
-    add(
-        "--linear-backend",
-        metavar="NAME",
-        help="GEMMs: auto, cpu (our C kernel), onednn (prepacked) or torch",
+    # The flags are the fields of EngineConfig and ServerConfig (conveyor/settings.py), each
+    # with the default None: an unset flag leaves the config file's value (or the field's).
+    parser.add_argument(
+        "--config", metavar="FILE", type=Path, help="YAML settings, e.g. configs/demo.yaml"
     )
-    add("--quant-activation-passes", type=int, metavar="N", help="GGUF blocks kept quantized: "
-        "activations in 2 8-bit passes (default, near fp32) or 1 (llama.cpp's)")  # fmt: skip
-    add("--kv-cache-dtype", metavar="DTYPE", help="auto (the model's) or int8 (~2x the blocks)")
-    add("--tensor-parallel-size", type=int, metavar="N", help="split the model over N ranks "
-        "(one process each; gloo on CPU, NCCL on CUDA; default 1)")  # fmt: skip
-    add("--seed", type=int, help="engine seed for requests without their own")
-    add("--aging-bound-s", type=float, metavar="S", help="sjf family: aging bound (10; inf: off)")
-    add("--preemption-threshold", type=float, metavar="F", help="preemptive-sjf threshold (0.5)")
-    add("--preemption-cooldown-s", type=float, metavar="S", help="preemptive-sjf cooldown (0.5)")
-    add("--grammar-compile-timeout", type=float, metavar="S", help="a structured-output "
-        "grammar that takes longer to compile fails its request with a 400 (5)")  # fmt: skip
-    add("--pooling-type", metavar="NAME", help="embeddings: last or mean pooling (default: "
-        "the checkpoint's sentence-transformers config, else last)")  # fmt: skip
-    add("--max-waiting-requests", type=int, metavar="N", help="waiting sequences before 503 "
-        "(default: one per KV block)")  # fmt: skip
-    add("--max-n", type=int, metavar="N", help="largest n one request may ask for (16)")
-    add("--max-prompts-per-request", type=int, metavar="N", help="prompts one completions "
-        "request may hold (256)")  # fmt: skip
-    add("--max-request-body-bytes", type=int, metavar="B", help="larger bodies get 413 (10 MiB)")
-    add("--max-header-bytes", type=int, metavar="B", help="request line + headers; larger "
-        "ones get 431 (64 KiB)")  # fmt: skip
-    add("--request-timeout", type=float, metavar="S", help="abort requests after S s (no limit)")
-    add("--engine-stall-timeout", type=float, metavar="S", help="an engine with work but no "
-        "step for S s is hung: /health 503, its requests fail (120; 0: off)")  # fmt: skip
-    add("--engine-heartbeat-timeout", type=float, metavar="S", help="an engine process that "
-        "sends nothing, not even its 1 s beat, for S s is stopped or dead-locked: killed, "
-        "the server exits 1 (a replica restarts) (10; 0: off)")  # fmt: skip
-    add("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=None,
-        help="let requests bring their own chat template (off: such requests get 400)")  # fmt: skip
-    add("--tool-call-parser", metavar="NAME", help="the tool-call format: hermes (Qwen2.5/3), "
-        "llama3_json, mistral or generic (default: the chat template's)")  # fmt: skip
-    add("--reasoning-parser", metavar="NAME", help="split <think>...</think> off chat answers "
-        "as reasoning_content: deepseek_r1, qwen3, think or none (default: the chat "
-        "template's; none if it has no <think>)")  # fmt: skip
-    add("--metrics-require-api-key", action=argparse.BooleanOptionalAction, default=None,
-        help="with --api-key, /metrics needs the key too (default: open)")  # fmt: skip
-    add("--shutdown-timeout", type=float, metavar="S", help="grace period on SIGTERM (10)")
-    add("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-        help="the engine in its own process (default) or a thread")  # fmt: skip
-    add("--log-level", help="critical, error, warning, info (default) or debug")
-    add("--log-stats-interval", type=float, metavar="S", help="stats log period (5; 0: off)")
+    add_sectioned_flags(parser, EngineConfig, ServerConfig)
     parser.set_defaults(func=_serve)
-
-
-_API_KEY_ENV = "CONVEYOR_API_KEY"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -176,6 +108,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_simulate(commands: argparse._SubParsersAction) -> None:
+    from conveyor.engine.config import EngineConfig
+    from conveyor.settings import add_flags
+
     parser = commands.add_parser(
         "simulate",
         help="replay a request trace under scheduling policies with a step-cost model",
@@ -200,14 +135,18 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     add("--mean-output", type=float, default=64.0, metavar="N", help="mean output tokens")
     add("--max-output", type=int, default=1024, metavar="N", help="output length cap")
     add("--seed", type=int, default=0, help="workload seed")
-    add("--scheduler", default="all", metavar="NAMES", help="a policy, a,b,c, or all (default)")
-    add("--max-num-seqs", type=int, metavar="N", help="max batch size (default 32)")
-    add("--max-num-batched-tokens", type=int, default=2048, metavar="N")
-    add("--block-size", type=int, default=16, metavar="N")
-    add("--num-kv-blocks", type=int, metavar="N", help="default: no KV pressure")
-    add("--aging-bound-s", type=float, metavar="S", help="sjf family aging bound")
-    add("--preemption-threshold", type=float, metavar="F", help="preemptive-sjf threshold")
-    add("--preemption-cooldown-s", type=float, metavar="S", help="preemptive-sjf cooldown")
+    # The engine's settings a simulation uses, from EngineConfig's fields (defaults included),
+    # but for the policies to compare and the batch size, whose defaults are the simulator's.
+    engine_flags = ("scheduler", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                    "num_kv_blocks", "aging_bound_s", "preemption_threshold",
+                    "preemption_cooldown_s")  # fmt: skip
+    add_flags(parser, EngineConfig, engine_flags, field_defaults=True, overrides={
+        "scheduler": {"default": "all", "metavar": "NAMES",
+                      "help": "a policy, a,b,c, or all (default)"},
+        "max_num_seqs": {"default": None, "help": "max batch size (default 32; 4 for the "
+                         "guide-* workloads)"},
+        "num_kv_blocks": {"help": "KV cache blocks (default: no KV pressure)"},
+    })  # fmt: skip
     add("--step-base-s", type=float, metavar="S", help="step cost: fixed seconds per step")
     add("--step-per-token-s", type=float, metavar="S", help="step cost: seconds per token")
     add("--step-per-seq-s", type=float, metavar="S", help="step cost: seconds per request")
@@ -238,11 +177,8 @@ def _simulate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     names = available_policies() if args.scheduler == "all" else args.scheduler.split(",")
-    knobs = {
-        k: getattr(args, k)
-        for k in ("aging_bound_s", "preemption_threshold", "preemption_cooldown_s")
-        if getattr(args, k) is not None
-    }
+    knobs = {k: getattr(args, k) for k in ("aging_bound_s", "preemption_threshold",
+                                            "preemption_cooldown_s")}  # fmt: skip
     step_cost = {
         k: getattr(args, f"step_{k}")
         for k in ("base_s", "per_token_s", "per_seq_s")

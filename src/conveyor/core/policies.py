@@ -1,16 +1,17 @@
 """Scheduling policies: which waiting request goes first and which running one yields.
 
 The scheduler owns the mechanics (token budget, blocks, chunking, preemption by recompute,
-deadlines); a policy only makes the choices. A new policy is one class and one registry line:
+deadlines); a policy only makes the choices. A new policy is one class and one line in
+`BUILTIN_POLICIES` (at the bottom; `EngineConfig` checks a name against `available_policies()`):
 
-    @register_policy
     class ShortestPromptFirst(SchedulingPolicy):
         name = "shortest-prompt"
 
         def order_waiting(self, waiting, now, running=()):
             return sorted(waiting, key=lambda r: (r.num_prompt_tokens, r.arrival_time))
 
-Hooks and their defaults (override only what the policy changes):
+Hooks and their defaults (override only what the policy changes; `SchedulingPolicy` is in
+policy_base.py):
     order_waiting      admission order of the waiting queue            (abstract)
     select_victim      whom to preempt when blocks run out             most recently admitted
     may_admit          whether this step admits at all                 always
@@ -40,196 +41,32 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
-from abc import ABC, abstractmethod
 from collections import abc
 from collections.abc import Callable
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from conveyor.core.block_manager import BlockManager
+from conveyor.core.policies_sjf import LengthAwarePolicy, PreemptiveSjfPolicy, SjfPolicy
+from conveyor.core.policy_base import SchedulingPolicy
 from conveyor.core.sequence import Sequence, SequenceStatus
-from conveyor.engine.config import EngineConfig
 
+if TYPE_CHECKING:  # annotations only: core/ does not import engine/ at run time
+    from conveyor.engine.config import EngineConfig
 
-class SchedulingPolicy(ABC):
-    """Choices the scheduler delegates; stateless unless a policy needs state."""
-
-    name: ClassVar[str]
-
-    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
-        """Args:
-        config: the engine config; a policy copies the knobs it needs.
-        block_manager: the scheduler's KV blocks (read-only here), so that preemptive
-            policies can tell a full cache; None when the policy is used on its own.
-        """
-        self.max_num_seqs = config.max_num_seqs
-        self.block_manager = block_manager
-
-    @abstractmethod
-    def order_waiting(
-        self, waiting: abc.Sequence[Sequence], now: float, running: abc.Sequence[Sequence] = ()
-    ) -> list[Sequence]:
-        """Admission order of the waiting requests.
-
-        Preempted requests are re-queued at the front of `waiting` by the scheduler; a
-        policy that keeps queue order therefore resumes them first.
-
-        Args:
-            waiting: the waiting queue in queue order (do not mutate).
-            now: the scheduler clock of this step, for age- and deadline-based policies.
-            running: the running requests (admission order), for batch-aware policies.
-        Returns:
-            The requests to try to admit, in order; the scheduler stops at the first one
-            that does not fit. Requests left out stay waiting.
-        """
-
-    def admission_candidates(
-        self,
-        waiting: abc.Sequence[Sequence],
-        now: float,
-        running: abc.Sequence[Sequence],
-        limit: int,
-    ) -> abc.Sequence[Sequence]:
-        """At least the first `limit` requests of `order_waiting` (all, if fewer), in order.
-
-        What the scheduler admits from; it never looks past the first `limit`. Policies
-        override it to avoid ordering the whole queue every step.
-        """
-        return self.order_waiting(waiting, now, running)
-
-    def on_enqueue(self, req: Sequence, pos: int) -> None:
-        """The scheduler put `req` into `waiting` (at queue position `pos`).
-
-        Positions are unique and the waiting queue is always in ascending position order,
-        so a policy may keep its own index of the queue. Ignored by default.
-        """
-        del req, pos
-
-    def on_dequeue(self, req: Sequence) -> None:
-        """`req` left `waiting` (admitted, or finished while waiting). Ignored by default."""
-        del req
-
-    def select_victim(self, running: list[Sequence]) -> Sequence:
-        """The running request to preempt (recompute) when blocks run out.
-
-        Args:
-            running: the running requests in admission order, never empty.
-        Returns:
-            One element of `running`; by default the most recently admitted.
-        """
-        return running[-1]
-
-    def may_admit(self, running: abc.Sequence[Sequence]) -> bool:
-        """Whether this step may admit waiting requests at all (asked once per step).
-
-        A static-batching baseline returns False while its batch runs.
-        """
-        return True
-
-    def select_preemptions(
-        self, running: abc.Sequence[Sequence], waiting: abc.Sequence[Sequence], now: float
-    ) -> list[Sequence]:
-        """Running requests to preempt at the start of a step so waiting ones can run.
-
-        Used by preemptive policies (a short job displacing a long one). Unlike preemption
-        for lack of blocks, these do not stop the step from admitting new requests.
-        Called only while requests are waiting and running.
-
-        Returns:
-            Elements of `running` to preempt; none by default.
-        """
-        return []
-
-    def _plan_preemptions(
-        self,
-        candidates: abc.Sequence[Sequence],
-        victims: abc.Sequence[Sequence],
-        running: abc.Sequence[Sequence],
-        outranks: Callable[[Sequence, Sequence], bool],
-    ) -> list[Sequence]:
-        """Victims to preempt so that the candidates, in order, find a seat and KV blocks.
-
-        Walks the candidates (the admission order) while each still fits: a free seat
-        (`max_num_seqs`) and enough free blocks for its known tokens. One that does not fit
-        takes victims, worst first, while it `outranks` them; if it still does not fit, the
-        plan stops there (admission is in order: nobody behind it may pass).
-
-        Blocks are estimated: free blocks, less what the running requests need to cover their
-        known tokens this step, plus what each victim gives back.
-
-        Args:
-            candidates: waiting requests in admission order.
-            victims: running requests that may be preempted, worst first.
-            running: all running requests.
-            outranks: (candidate, victim) -> whether the candidate may displace the victim.
-        Returns:
-            The victims to preempt, a prefix of `victims`.
-        """
-        bm = self.block_manager
-
-        def held(r: Sequence) -> int:
-            return 0 if bm is None else len(bm.block_tables.get(r.request_id, ()))
-
-        def growth(r: Sequence) -> int:  # blocks r still needs to cover its known tokens
-            return 0 if bm is None else max(0, bm.num_blocks_for(r.num_tokens) - held(r))
-
-        seats = self.max_num_seqs - len(running)
-        free = math.inf if bm is None else bm.num_free_blocks - sum(map(growth, running))
-        chosen: list[Sequence] = []
-        v = 0
-        for cand in candidates:
-            need = 0 if bm is None else bm.num_blocks_for(cand.num_tokens)
-            s, f, j = seats, free, v
-            while (s < 1 or f < need) and j < len(victims) and outranks(cand, victims[j]):
-                s += 1
-                f += held(victims[j]) + growth(victims[j])
-                j += 1
-            if s < 1 or f < need:
-                break
-            chosen.extend(victims[v:j])
-            seats, free, v = s - 1, f - need, j
-        return chosen
-
-
-_POLICIES: dict[str, type[SchedulingPolicy]] = {}
-
-P = TypeVar("P", bound=type[SchedulingPolicy])
-
-
-def register_policy(cls: P) -> P:
-    """Class decorator: make a policy available to `make_policy` under `cls.name`."""
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{cls.__name__} must set a non-empty class attribute `name`.")
-    if name in _POLICIES and _POLICIES[name] is not cls:
-        raise ValueError(f"scheduling policy {name!r} is already registered.")
-    _POLICIES[name] = cls
-    return cls
-
-
-def available_policies() -> list[str]:
-    """Registered policy names, sorted."""
-    return sorted(_POLICIES)
-
-
-def make_policy(
-    name: str, config: EngineConfig, block_manager: BlockManager | None = None
-) -> SchedulingPolicy:
-    """Build the policy registered as `name`.
-
-    Args:
-        name: a registered policy name (`available_policies()`).
-        config: the engine config, for the policy's knobs.
-        block_manager: the scheduler's KV blocks, for policies that preempt when it is full.
-    Raises:
-        ValueError: no policy has that name (the message lists the registered ones).
-    """
-    cls = _POLICIES.get(name)
-    if cls is None:
-        raise ValueError(
-            f"unknown scheduler {name!r}; choose one of: {', '.join(available_policies())}."
-        )
-    return cls(config, block_manager)
+__all__ = [
+    "BUILTIN_POLICIES",
+    "FifoPolicy",
+    "LengthAwarePolicy",
+    "PreemptiveSjfPolicy",
+    "PriorityPolicy",
+    "SchedulingPolicy",
+    "SjfPolicy",
+    "StaticBatchPolicy",
+    "available_policies",
+    "make_policy",
+    "priority_key",
+    "register_policy",
+]
 
 
 def priority_key(req: Sequence) -> tuple[int, float, float]:
@@ -237,7 +74,6 @@ def priority_key(req: Sequence) -> tuple[int, float, float]:
     return (req.sampling_params.priority, req.deadline_at, req.arrival_time)
 
 
-@register_policy
 class FifoPolicy(SchedulingPolicy):
     """First come, first served; preempted requests resume first (they are at the front)."""
 
@@ -302,7 +138,6 @@ class _KeyedQueue:
         return [e[2] for e in out]
 
 
-@register_policy
 class PriorityPolicy(SchedulingPolicy):
     """Lower `priority` value first (ties: earliest deadline, then arrival).
 
@@ -367,7 +202,6 @@ class PriorityPolicy(SchedulingPolicy):
         )
 
 
-@register_policy
 class StaticBatchPolicy(SchedulingPolicy):
     """The baseline: a fixed batch is admitted together; nobody joins until it has ended.
 
@@ -400,5 +234,57 @@ class StaticBatchPolicy(SchedulingPolicy):
         return [r for r in waiting if id(r) in members]
 
 
-# The SJF family lives in its own module (one noun per module); importing it registers it.
-from conveyor.core import policies_sjf as _policies_sjf  # noqa: E402,F401
+# Every built-in policy, by class: the one list a new policy joins (the SJF family lives in
+# its own module, one noun per module).
+BUILTIN_POLICIES: tuple[type[SchedulingPolicy], ...] = (
+    FifoPolicy,
+    SjfPolicy,
+    PreemptiveSjfPolicy,
+    LengthAwarePolicy,
+    PriorityPolicy,
+    StaticBatchPolicy,
+)
+
+# Name -> class: the built-in policies, and those `register_policy` adds at run time.
+_POLICIES: dict[str, type[SchedulingPolicy]] = {cls.name: cls for cls in BUILTIN_POLICIES}
+
+P = TypeVar("P", bound=type[SchedulingPolicy])
+
+
+def register_policy(cls: P) -> P:
+    """Make a policy defined elsewhere (a plugin, a test) available under `cls.name`.
+
+    Usable as a class decorator. The built-in policies are listed in `BUILTIN_POLICIES`.
+    """
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{cls.__name__} must set a non-empty class attribute `name`.")
+    if name in _POLICIES and _POLICIES[name] is not cls:
+        raise ValueError(f"scheduling policy {name!r} is already registered.")
+    _POLICIES[name] = cls
+    return cls
+
+
+def available_policies() -> list[str]:
+    """Registered policy names, sorted."""
+    return sorted(_POLICIES)
+
+
+def make_policy(
+    name: str, config: EngineConfig, block_manager: BlockManager | None = None
+) -> SchedulingPolicy:
+    """Build the policy registered as `name`.
+
+    Args:
+        name: a registered policy name (`available_policies()`).
+        config: the engine config, for the policy's knobs.
+        block_manager: the scheduler's KV blocks, for policies that preempt when it is full.
+    Raises:
+        ValueError: no policy has that name (the message lists the registered ones).
+    """
+    cls = _POLICIES.get(name)
+    if cls is None:
+        raise ValueError(
+            f"unknown scheduler {name!r}; choose one of: {', '.join(available_policies())}."
+        )
+    return cls(config, block_manager)

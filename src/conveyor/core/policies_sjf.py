@@ -25,17 +25,19 @@ import itertools
 import math
 from collections import abc
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from conveyor.core.block_manager import BlockManager
-from conveyor.core.policies import SchedulingPolicy, register_policy
+from conveyor.core.policy_base import SchedulingPolicy
 from conveyor.core.rank_index import RankIndex, remaining
 from conveyor.core.sequence import Sequence
-from conveyor.engine.config import EngineConfig
+
+if TYPE_CHECKING:  # annotations only: core/ does not import engine/ at run time
+    from conveyor.engine.config import EngineConfig
 
 __all__ = ["LengthAwarePolicy", "PreemptiveSjfPolicy", "SjfPolicy", "remaining"]
 
 
-@register_policy
 class SjfPolicy(SchedulingPolicy):
     """Shortest expected remaining output first, with aging (see the module docstring).
 
@@ -109,7 +111,6 @@ class SjfPolicy(SchedulingPolicy):
         return sorted(waiting, key=self.rank_key(now))
 
 
-@register_policy
 class PreemptiveSjfPolicy(SjfPolicy):
     """sjf, and a much shorter waiting request displaces the longest running one.
 
@@ -162,7 +163,6 @@ class PreemptiveSjfPolicy(SjfPolicy):
         )
 
 
-@register_policy
 class LengthAwarePolicy(SjfPolicy):
     """Keeps a mix of short and long requests in the batch (see docs/scheduling.md).
 

@@ -30,6 +30,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.chunking import num_tokens_to_schedule
@@ -38,7 +39,9 @@ from conveyor.core.policies import make_policy
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceStatus
 from conveyor.core.waiting_queue import WaitingQueue
-from conveyor.engine.config import EngineConfig
+
+if TYPE_CHECKING:  # annotations only: core/ does not import engine/ at run time
+    from conveyor.engine.config import EngineConfig
 
 
 class Scheduler:

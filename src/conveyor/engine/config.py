@@ -1,9 +1,11 @@
 """EngineConfig: every knob of the engine in one plain dataclass.
 
 Built from `LLM(...)` keyword arguments, CLI flags or configs/*.yaml, then passed down as one
-object; each part copies what it needs in `__init__`. Checks raise ValueError with a message a
-user can act on. `num_kv_blocks` and `max_model_len` may be left None: the engine resolves
-them from memory and the checkpoint before it builds the scheduler.
+object; each part copies what it needs in `__init__`. Each field is the one place its setting
+is written (conveyor/settings.py): its help and choices make the `conveyor serve` flag, the
+line of configs/default.yaml and the row of docs/configuration.md. Checks raise ValueError
+with a message a user can act on. `num_kv_blocks` and `max_model_len` may be left None: the
+engine resolves them from memory and the checkpoint before it builds the scheduler.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from conveyor.core.policies import available_policies
 from conveyor.pooling_params import POOLING_TYPES
-from conveyor.validation import check_choice, check_int, check_number, check_positive_int
+from conveyor.settings import MODEL, PARALLELISM, SCHEDULING, check_choices, setting
+from conveyor.validation import check_int, check_number, check_positive_int
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpu")
@@ -23,60 +27,146 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None
-    tokenizer: str | None = None
-    scheduler: str = "fifo"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    # KV memory when num_kv_blocks is None; None: 1 GiB (1/8 GiB for the demo model). Never
-    # more blocks than max_num_seqs sequences of max_model_len tokens can use.
-    kv_cache_space_gb: float | None = None
-    # CUDA, with neither num_kv_blocks nor kv_cache_space_gb given: the fraction of the
-    # device's memory the engine may use (weights, activations and KV cache), as vLLM's.
-    gpu_memory_utilization: float = 0.9
-    # Reuse the K/V of full blocks whose tokens (and every token before them) were computed
-    # before: shared system prompts, conversation history, n > 1 samples of one prompt.
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    attention_backend: str = "auto"
-    # GEMMs: "cpu" (our C kernel on weights packed once at load, float32 or bfloat16),
-    # "onednn" (weights prepacked once for oneDNN, float32), "torch" (nn.Linear), or "auto"
-    # (on CPU: cpu where the build has a vector GEMM, else onednn in float32, else torch;
-    # torch elsewhere). model/linear.py.
-    linear_backend: str = "auto"
-    # GGUF weights kept quantized (model/quant_linear.py): activations quantized per block of
-    # 32 to 8 bits in 2 passes (the second holds the first's rounding error: close to fp32's
-    # results) or 1 (llama.cpp's arithmetic, about half the integer work).
-    quant_activation_passes: int = 2
-    dtype: str = "auto"
-    # "int8": K/V stored as int8 with a scale per token and head, about half of fp16's bytes,
-    # so about twice the blocks for the same kv_cache_space_gb.
-    kv_cache_dtype: str = "auto"
-    device: str = "auto"
-    # Whole engine replicas behind one server (`conveyor serve`), each on its own GPU or CPU
-    # cores (entrypoints/data_parallel.py); one LLMEngine is always a single replica.
-    data_parallel_size: int = 1
-    # Ranks the model is split over (conveyor/parallel/): one worker process per rank > 0.
-    tensor_parallel_size: int = 1
-    seed: int = 0
+    model: str | None = setting(
+        None,
+        "Hugging Face checkpoint folder or .gguf file",
+        section=MODEL,
+        unset="the embedded demo model",
+        flag={"metavar": "DIR"},
+    )
+    tokenizer: str | None = setting(
+        None, "tokenizer folder", section=MODEL, unset="the model's", flag={"metavar": "DIR"}
+    )
+    scheduler: str = setting(
+        "fifo",
+        "scheduling policy (docs/scheduling.md)",
+        section=SCHEDULING,
+        choices=available_policies,
+    )
+    max_num_seqs: int = setting(64, "most requests in one step's batch", section=SCHEDULING)
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one step (prefill chunks + decode tokens)", section=SCHEDULING
+    )
+    block_size: int = setting(
+        16, "tokens per KV cache block", section=SCHEDULING, choices=(8, 16, 32, 64, 128)
+    )
+    num_kv_blocks: int | None = setting(
+        None, "KV cache blocks", section=SCHEDULING, unset="as many as kv_cache_space_gb holds"
+    )
+    # Never more blocks than max_num_seqs sequences of max_model_len tokens can use.
+    kv_cache_space_gb: float | None = setting(
+        None,
+        "KV cache memory (GiB) when num_kv_blocks is not given",
+        section=SCHEDULING,
+        unset="on CPU 1 GiB (1/8 GiB for the demo model), on CUDA what "
+        "gpu_memory_utilization leaves",
+        flag={"metavar": "GB"},
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "CUDA, with neither num_kv_blocks nor kv_cache_space_gb given: the fraction of the "
+        "device's memory the engine may use (weights, activations and KV cache), as vLLM's",
+        section=SCHEDULING,
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "reuse the K/V of full blocks whose tokens (and every token before them) were "
+        "computed before: shared system prompts, conversation history, n > 1 samples",
+        section=SCHEDULING,
+    )
+    max_model_len: int | None = setting(
+        None,
+        "cap on prompt + output tokens",
+        section=MODEL,
+        unset="the checkpoint's maximum, capped by what the KV cache holds for one request; "
+        "an explicit value above that is a start-up error",
+    )
+    attention_backend: str = setting(
+        "auto",
+        "attention kernels (model/attention.py); auto: triton on CUDA, cpu on CPU",
+        section=MODEL,
+        choices=ATTENTION_BACKENDS,
+    )
+    linear_backend: str = setting(
+        "auto",
+        "GEMMs (model/linear.py): cpu (our C kernel on weights packed once at load, float32 "
+        "or bfloat16), onednn (weights prepacked once for oneDNN, float32), torch "
+        "(nn.Linear); auto: on CPU cpu where the build has a vector GEMM, else onednn in "
+        "float32, else torch; torch elsewhere",
+        section=MODEL,
+        choices=LINEAR_BACKENDS,
+    )
+    quant_activation_passes: int = setting(
+        2,
+        "GGUF weights kept quantized (model/quant_linear.py): activations quantized per block "
+        "of 32 to 8 bits in 2 passes (the second holds the first's rounding error: close to "
+        "fp32's results) or 1 (llama.cpp's arithmetic, about half the integer work)",
+        section=MODEL,
+        choices=(1, 2),
+    )
+    dtype: str = setting(
+        "auto",
+        "compute dtype; auto: on CPU bfloat16 for a bf16 checkpoint where the CPU has native "
+        "bf16 dot products, else float32; on CUDA the checkpoint's float16 or bfloat16, "
+        "else bfloat16",
+        section=MODEL,
+        choices=DTYPES,
+        flag={"metavar": "DTYPE"},
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache dtype; auto: the model's; int8: a scale per token and head, about half of "
+        "fp16's bytes, so about twice the blocks in the same memory",
+        section=MODEL,
+        choices=KV_CACHE_DTYPES,
+        flag={"metavar": "DTYPE"},
+    )
+    device: str = setting("auto", "where the model runs", section=MODEL, choices=DEVICES)
+    data_parallel_size: int = setting(
+        1,
+        "whole engine replicas behind one server (`conveyor serve`), each on its own GPU or "
+        "CPU cores; requests go to the least loaded (entrypoints/data_parallel.py)",
+        section=PARALLELISM,
+    )
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks the model is split over (conveyor/parallel/), one process each; gloo on CPU, "
+        "NCCL on CUDA",
+        section=PARALLELISM,
+    )
+    seed: int = setting(0, "seed of requests that bring none of their own", section=SCHEDULING)
     # Scheduling policy knobs (see core/policies.py). Times are seconds of the engine clock.
-    # sjf, preemptive-sjf, length-aware: a request that has waited this long since arrival is
-    # no longer overtaken by later arrivals (aging; inf turns aging off).
-    aging_bound_s: float = 10.0
-    # preemptive-sjf: a waiting request preempts a running one when its expected remaining
-    # output is at most this fraction of the running one's.
-    preemption_threshold: float = 0.5
-    # preemptive-sjf: a request is not preempted by the policy within this long of joining the
-    # batch, so it always makes progress between preemptions (no thrash).
-    preemption_cooldown_s: float = 0.5
-    # Seconds a structured-output grammar may take to compile; one that takes longer fails
-    # its request (a 400 naming this limit). inf: no limit.
-    grammar_compile_timeout: float = 5.0
-    # Embeddings (/v1/embeddings, LLM.embed): "last" or "mean" pooling of the final hidden
-    # states; None: what the checkpoint's sentence-transformers config says, else "last".
-    pooling_type: str | None = None
+    aging_bound_s: float = setting(
+        10.0,
+        "sjf, preemptive-sjf, length-aware: a request that has waited this long since "
+        "arrival is no longer overtaken by later arrivals (aging; inf turns it off)",
+        section=SCHEDULING,
+    )
+    preemption_threshold: float = setting(
+        0.5,
+        "preemptive-sjf: a waiting request preempts a running one when its expected "
+        "remaining output is at most this fraction of the running one's",
+        section=SCHEDULING,
+    )
+    preemption_cooldown_s: float = setting(
+        0.5,
+        "preemptive-sjf: no request is preempted by the policy within this long of joining "
+        "the batch, so it always makes progress between preemptions",
+        section=SCHEDULING,
+    )
+    grammar_compile_timeout: float = setting(
+        5.0,
+        "seconds a structured-output grammar may take to compile; one that takes longer "
+        "fails its request with a 400 naming this limit (inf: no limit)",
+        section=SCHEDULING,
+    )
+    pooling_type: str | None = setting(
+        None,
+        "embeddings (/v1/embeddings, LLM.embed): pooling of the final hidden states",
+        section=MODEL,
+        choices=POOLING_TYPES,
+        unset="the checkpoint's sentence-transformers config, else last",
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -86,7 +176,13 @@ class EngineConfig:
             "tensor_parallel_size",
         ):
             check_positive_int(name, getattr(self, name))
-        check_choice("block_size", self.block_size, (8, 16, 32, 64, 128))
+        # Here, not when the scheduler is built: that comes after the weights and the KV cache.
+        if self.scheduler not in available_policies():
+            raise ValueError(
+                f"unknown scheduler {self.scheduler!r}; choose one of: "
+                f"{', '.join(available_policies())}."
+            )
+        check_choices(self)  # every field with choices: block_size, the backends, dtypes, ...
         if self.num_kv_blocks is not None:
             check_positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:
@@ -100,21 +196,6 @@ class EngineConfig:
             raise ValueError(
                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}."
             )
-        # Here, not when the scheduler is built: that comes after the weights and the KV cache.
-        # (Imported late: core/policies.py imports this module.)
-        from conveyor.core.policies import available_policies
-
-        if self.scheduler not in available_policies():
-            raise ValueError(
-                f"unknown scheduler {self.scheduler!r}; choose one of: "
-                f"{', '.join(available_policies())}."
-            )
-        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
-        check_choice("quant_activation_passes", self.quant_activation_passes, (1, 2))
-        check_choice("dtype", self.dtype, DTYPES)
-        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        check_choice("device", self.device, DEVICES)
         check_positive_int("data_parallel_size", self.data_parallel_size)
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError(
@@ -135,8 +216,6 @@ class EngineConfig:
             ">= 0 and finite",
             lambda v: 0 <= v < math.inf,
         )
-        if self.pooling_type is not None:
-            check_choice("pooling_type", self.pooling_type, POOLING_TYPES)
         check_number(
             "grammar_compile_timeout", self.grammar_compile_timeout, "> 0", lambda v: v > 0
         )

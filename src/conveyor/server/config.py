@@ -21,7 +21,8 @@ from conveyor.model.checkpoint import check_checkpoint
 from conveyor.server.reasoning import REASONING_PARSER_CHOICES
 from conveyor.server.tenancy import TenantSalt
 from conveyor.server.tool_parsers import TOOL_CALL_PARSERS
-from conveyor.validation import check_choice, check_int, check_number, check_positive_int
+from conveyor.settings import ADMISSION, MODEL, PARALLELISM, SERVER, check_choices, setting
+from conveyor.validation import check_int, check_number, check_positive_int
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -29,50 +30,132 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 @dataclass(slots=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # The key (or a list of keys, e.g. one per tenant) requests must bring; None: open.
-    api_key: str | list[str] | None = None
-    # Who a request's tenant is, for the prefix cache: "api-key" (the key it used) or
-    # "header:NAME" (that header's value); each tenant then gets its own cache salt, so no
-    # tenant shares (or can probe) another's cached prefixes (server/tenancy.py). None: shared.
-    cache_salt_from: str | None = None
-    # Names clients may send as "model"; the first is the one responses and metrics report.
-    # A string is one name; None: the checkpoint folder's name (or "conveyor-demo").
-    served_model_name: str | list[str] | None = None
-    shutdown_timeout: float = 10.0  # seconds in-flight requests may finish after SIGTERM
-    log_level: str = "info"
-    log_stats_interval: float = 5.0  # seconds between throughput log lines; 0 disables
+    host: str = setting(
+        "127.0.0.1",
+        "address to bind; 0.0.0.0 listens on every interface",
+        section=SERVER,
+        flag={"metavar": "ADDR"},
+    )
+    port: int = setting(8000, "port to listen on", section=SERVER, flag={"metavar": "PORT"})
+    api_key: str | list[str] | None = setting(
+        None,
+        "the key, or keys (one per tenant, say), requests must bring as 'Authorization: "
+        "Bearer KEY'; /health, /version and /metrics stay open. Prefer "
+        f"${API_KEY_ENV} (comma-separated) to writing it in a file or a command line",
+        section=SERVER,
+        unset=f"${API_KEY_ENV}, else no key needed",
+        flag={"metavar": "KEY", "nargs": "+", "action": "extend"},
+    )
+    cache_salt_from: str | None = setting(
+        None,
+        "who a request's tenant is, for the prefix cache: api-key (the key it used) or "
+        "header:NAME (that header's value, set by a trusted gateway); each tenant gets its "
+        "own cache salt, so no tenant shares (or can probe) another's cached prefixes "
+        "(server/tenancy.py)",
+        section=SERVER,
+        unset="one cache shared by all",
+        flag={"metavar": "SOURCE"},
+    )
+    served_model_name: str | list[str] | None = setting(
+        None,
+        'names clients may send as "model"; the first is the one responses and metrics report',
+        section=MODEL,
+        unset='the model folder\'s name (or "conveyor-demo")',
+        flag={"metavar": "NAME", "nargs": "+"},
+    )
+    shutdown_timeout: float = setting(
+        10.0,
+        "seconds in-flight requests may finish after SIGTERM or Ctrl-C (new ones get 503 "
+        "meanwhile), after which the rest are aborted",
+        section=SERVER,
+    )
+    log_level: str = setting("info", "log level", section=SERVER, choices=LOG_LEVELS)
+    log_stats_interval: float = setting(
+        5.0, "seconds between throughput log lines while busy; 0: off", section=SERVER
+    )
     # Admission control and limits: beyond them a request is refused at once.
-    max_waiting_requests: int | None = None  # waiting sequences before 503; None: one per block
-    max_n: int = 16  # largest `n` (samples per prompt) one request may ask for (else 400)
-    max_prompts_per_request: int = 256  # prompts one completions request may hold (else 400)
-    max_request_body_bytes: int = 10 * 2**20  # larger request bodies get 413
-    max_header_bytes: int = 64 * 2**10  # request line + headers; larger ones get 431
-    request_timeout: float | None = None  # seconds; a request unfinished then ends with "abort"
-    # Seconds the engine may go without a step while requests are in flight before it counts
-    # as hung (/health 503, those requests end with an error); 0 turns the check off.
-    engine_stall_timeout: float = 120.0
-    # Liveness, not progress: seconds the engine process may send nothing, not even the beat
-    # it sends every second whatever its step does, before it counts as stopped or dead-locked
-    # (killed: the server exits 1, a data-parallel replica is restarted); 0 turns it off.
-    engine_heartbeat_timeout: float = 10.0
-    # Requests may bring their own chat template (code that runs on the server): off.
-    trust_request_chat_template: bool = False
-    metrics_require_api_key: bool = False  # with api_key, /metrics needs it too
-    # The tool-call format (server/tool_parsers.py): how tools reach the model and how
-    # `tool_choice: "auto"` reads its calls; None: the one the chat template teaches.
-    tool_call_parser: str | None = None
-    # How a chat answer's <think>…</think> part becomes `reasoning_content`
-    # (server/reasoning.py): deepseek_r1, qwen3, think, or none (no split); None: the one
-    # the chat template calls for (none if it has no <think> tags).
-    reasoning_parser: str | None = None
-    # The engine in its own process: streaming work never holds up a step through the GIL.
-    engine_process: bool = True
-    # With data_parallel_size > 1: a replica whose engine died fails only its own requests and
-    # is restarted, at most this many times per replica; one more death ends the server with
-    # exit status 1 (as a single engine's death does). 0: the first death ends it.
-    max_replica_restarts: int = 3
+    max_waiting_requests: int | None = setting(
+        None,
+        "waiting sequences beyond which requests get 503 + Retry-After",
+        section=ADMISSION,
+        unset="one per KV block (at least max_num_seqs)",
+    )
+    max_n: int = setting(
+        16, "largest `n` (samples per prompt) one request may ask for (above: 400)",
+        section=ADMISSION,
+    )  # fmt: skip
+    max_prompts_per_request: int = setting(
+        256, "prompts one completions request may hold (above: 400)", section=ADMISSION
+    )
+    max_request_body_bytes: int = setting(
+        10 * 2**20, "larger request bodies get 413", section=ADMISSION, flag={"metavar": "B"}
+    )
+    max_header_bytes: int = setting(
+        64 * 2**10,
+        "request line + headers; larger ones get 431",
+        section=ADMISSION,
+        flag={"metavar": "B"},
+    )
+    request_timeout: float | None = setting(
+        None,
+        'seconds; a request still unfinished then ends with finish_reason "abort" (caps '
+        "each request's own `deadline`)",
+        section=ADMISSION,
+        unset="no limit",
+    )
+    engine_stall_timeout: float = setting(
+        120.0,
+        "seconds the engine may go without a step while requests are in flight before it "
+        "counts as hung: /health 503, those requests end with an error (healthy again once it "
+        "steps); 0: off",
+        section=ADMISSION,
+    )
+    engine_heartbeat_timeout: float = setting(
+        10.0,
+        "liveness, not progress: seconds the engine process may send nothing, not even the "
+        "beat it sends every second whatever its step does, before it counts as stopped or "
+        "dead-locked: killed, the server exits 1 (a data-parallel replica is restarted); "
+        "0: off",
+        section=ADMISSION,
+    )
+    trust_request_chat_template: bool = setting(
+        False,
+        "let requests bring their own chat template (code that runs on the server); off: "
+        "such a request gets 400",
+        section=SERVER,
+    )
+    metrics_require_api_key: bool = setting(
+        False, "with api_key, /metrics needs the key too", section=SERVER
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "the tool-call format (server/tool_parsers.py): how tools reach the model and how "
+        '`tool_choice: "auto"` reads its calls',
+        section=SERVER,
+        choices=tuple(TOOL_CALL_PARSERS),
+        unset="the one the chat template teaches",
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "how a chat answer's <think>...</think> part becomes `reasoning_content` "
+        "(server/reasoning.py); none: no split",
+        section=SERVER,
+        choices=REASONING_PARSER_CHOICES,
+        unset="the one the chat template calls for (none if it has no <think> tags)",
+    )
+    engine_process: bool = setting(
+        True,
+        "the engine in its own process, so streaming work never holds up a step through the "
+        "GIL; off: a thread of the server's",
+        section=PARALLELISM,
+    )
+    max_replica_restarts: int = setting(
+        3,
+        "with data_parallel_size > 1: a replica whose engine died fails only its own "
+        "requests and is restarted, at most this many times; one more death ends the server "
+        "with exit status 1 (as a single engine's death does). 0: the first death ends it",
+        section=PARALLELISM,
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -80,7 +163,7 @@ class ServerConfig:
         check_int("port", self.port, lo=1, hi=65535)
         for name in ("shutdown_timeout", "log_stats_interval"):
             check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0)
-        check_choice("log_level", self.log_level, LOG_LEVELS)
+        check_choices(self)  # log_level, tool_call_parser, reasoning_parser
         if self.max_waiting_requests is not None:  # None: sized to the KV cache by the engine
             check_positive_int("max_waiting_requests", self.max_waiting_requests)
         check_positive_int("max_n", self.max_n)
@@ -123,10 +206,6 @@ class ServerConfig:
                     "cache_salt_from api-key needs api_key: give --api-key (one key per "
                     "tenant), or name a tenant header with header:NAME."
                 )
-        if self.tool_call_parser is not None:
-            check_choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_CALL_PARSERS))
-        if self.reasoning_parser is not None:
-            check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSER_CHOICES)
         names = self.served_model_name
         if names is not None:
             listed = [names] if isinstance(names, str) else names
@@ -180,6 +259,17 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def api_key_from_env() -> str | list[str] | None:
+    """$CONVEYOR_API_KEY (the one place it is read): a key, a comma-separated list of them,
+    or None when unset or empty. A value of only commas is an empty list, which ServerConfig
+    refuses, rather than an open server."""
+    value = os.environ.get(API_KEY_ENV)
+    if not value:
+        return None
+    keys = [k.strip() for k in value.split(",") if k.strip()]
+    return keys[0] if len(keys) == 1 else keys
+
+
 def build_serve_config(
     config_file: str | os.PathLike[str] | None, overrides: dict[str, Any]
 ) -> tuple[EngineConfig, ServerConfig]:
@@ -196,9 +286,10 @@ def build_serve_config(
     """
     values = read_config_file(config_file) if config_file else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
-    if values.get("api_key") is None and os.environ.get(API_KEY_ENV):
-        keys = [k.strip() for k in os.environ[API_KEY_ENV].split(",") if k.strip()]
-        values["api_key"] = keys[0] if len(keys) == 1 else keys
+    if values.get("api_key") is None:
+        env_key = api_key_from_env()
+        if env_key is not None:
+            values["api_key"] = env_key
     server_keys = set(_field_names(ServerConfig))
     engine_values = {k: v for k, v in values.items() if k not in server_keys}
     server_values = {k: v for k, v in values.items() if k in server_keys}
