@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
-from transformers import PreTrainedTokenizerFast
 
 from conveyor.model.checkpoint import find_gguf_file
 from conveyor.sampling_params import SamplingParams
