@@ -9,7 +9,7 @@
 #             --model /models/Qwen2.5-0.5B-Instruct
 #   cpu: torch's CPU wheel, and no triton (the CPU path never imports it; only the CUDA
 #       kernels need it): no CUDA libraries, a much smaller image. The build fails unless the
-#       CPU C kernels build and load (`python -m conveyor.model.cpu_kernels`); they are built
+#       CPU C kernels build and load (`python -m conveyor.model.cpu.cpu_kernels`); they are built
 #       for the build machine's CPU (-march=native) and rebuilt at first start on another one
 #       (a second, under the user's cache). For a fleet of mixed CPUs pass
 #       `--build-arg CONVEYOR_CPU_ISA=avx2` (or portable): that build runs on all of them.
@@ -66,8 +66,8 @@ USER conveyor
 WORKDIR /home/conveyor
 # The C kernels must build and load (else the image would serve the slow torch path); the
 # demo checkpoint is built now, so a container without --model starts at once.
-RUN python -m conveyor.model.cpu_kernels \
-    && python -c "from conveyor.model.demo import demo_model_path; print(demo_model_path())"
+RUN python -m conveyor.model.cpu.cpu_kernels \
+    && python -c "from conveyor.model.loading.demo import demo_model_path; print(demo_model_path())"
 VOLUME ["/models"]
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
@@ -87,7 +87,7 @@ RUN pip install /wheels/*.whl && rm -rf /wheels
 COPY configs /opt/conveyor/configs
 USER conveyor
 WORKDIR /home/conveyor
-RUN python -c "from conveyor.model.demo import demo_model_path; print(demo_model_path())"
+RUN python -c "from conveyor.model.loading.demo import demo_model_path; print(demo_model_path())"
 VOLUME ["/models"]
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model.attention import AttentionMetadata, build_attention_metadata
+from conveyor.model.attention.torch_attention import paged_attention as torch_paged_attention
 from conveyor.model.kv_cache import QuantizedKVCache, gather_kv
-from conveyor.model.torch_attention import paged_attention as torch_paged_attention
 
 # Datasheet HBM bandwidth (bytes/s), matched against torch.cuda.get_device_name().
 PEAK_BANDWIDTH = [

@@ -25,7 +25,7 @@ import time
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.quant_linear import QuantLinear
+from conveyor.model.cpu.quant_linear import QuantLinear
 
 PROMPT = [[1, 415, 5565, 349, 264]]
 

@@ -41,8 +41,8 @@ import conveyor  # noqa: F401  (its OpenMP wait policy, set before torch loads l
 import torch
 import torch.nn.functional as F
 
-from conveyor.model import cpu_build, cpu_kernels
-from conveyor.model.linear import CpuLinear, PackedLinear
+from conveyor.model.cpu import cpu_build, cpu_kernels
+from conveyor.model.cpu.linear import CpuLinear, PackedLinear
 
 # (hidden, intermediate, layers, q heads, kv heads, head dim, vocab)
 SHAPES = {

@@ -1,7 +1,7 @@
 """Peak RSS while loading a safetensors checkpoint, against the size of the loaded weights.
 
 Writes a random Llama checkpoint (config.json + safetensors shards, no tokenizer needed), then
-loads it with `conveyor.model.loader.load_model` in a fresh process per case and reads the
+loads it with `conveyor.model.loading.loader.load_model` in a fresh process per case and reads the
 process's peak RSS (VmHWM, reset after the imports through /proc/self/clear_refs) minus its
 RSS before the load. The target is a peak within 1.3x of the weights: the file is memory-
 mapped, a tensor used as is stays a view of it, a converted or fused one releases its pages.
@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 _CHILD = r"""
 import json, sys, time
 import torch
-from conveyor.model.loader import load_model
+from conveyor.model.loading.loader import load_model
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -1,6 +1,6 @@
 """OpenMP wait policy: offline LLM.generate tok/s on a quiet and on a loaded machine.
 
-torch's CPU kernels (and ours in model/csrc, which share torch's libgomp pool) run in OpenMP
+torch's CPU kernels (and ours in model/cpu/csrc, which share torch's libgomp pool) run in OpenMP
 parallel regions. Between regions libgomp's idle threads spin GOMP_SPINCOUNT times before
 they sleep (default 300000, a few ms; OMP_WAIT_POLICY=PASSIVE: 0, they sleep at once). On
 a quiet machine spinning saves a wake-up per region; when other processes want the cores,

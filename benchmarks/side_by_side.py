@@ -52,7 +52,7 @@ import transformers
 
 from conveyor import LLM, SamplingParams
 from conveyor.bench.sibling import load_sibling
-from conveyor.model.demo import demo_model_path
+from conveyor.model.loading.demo import demo_model_path
 
 throughput = load_sibling(__file__, "throughput")
 

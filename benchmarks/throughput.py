@@ -32,7 +32,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.demo import demo_model_path
+from conveyor.model.loading.demo import demo_model_path
 
 
 def make_workload(

@@ -2,7 +2,7 @@
 
 Each kernel file holds one `@triton.jit` kernel (plus its helpers) and a thin launcher that
 checks shapes, strides and dtypes and raises ValueError. The torch reference each kernel is
-tested against lives in `conveyor.model.torch_attention` and `conveyor.model.kv_cache`.
+tested against lives in `conveyor.model.attention.torch_attention` and `conveyor.model.kv_cache`.
 
 Triton decides at decoration time (when this package is imported) whether its kernels run
 compiled on a GPU or in its CPU interpreter (TRITON_INTERPRET=1); `INTERPRETED` records which.

@@ -70,16 +70,16 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded demo checkpoint, written once per test session into a temp folder."""
-    from conveyor.model.demo import write_demo_model
+    from conveyor.model.loading.demo import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("demo-model"))
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    """The CPU C kernels (model/cpu_kernels.py); skipped where they cannot be built (no C
+    """The CPU C kernels (model/cpu/cpu_kernels.py); skipped where they cannot be built (no C
     compiler). tests/test_kernels.py has its own `kernels`: the Triton ones."""
-    from conveyor.model import cpu_kernels
+    from conveyor.model.cpu import cpu_kernels
 
     k = cpu_kernels.load()
     if k is None:

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conveyor.model import cpu_build, cpu_kernels
+from conveyor.model.cpu import cpu_build, cpu_kernels
 
 needs_cc = pytest.mark.skipif(
     not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here"
@@ -122,7 +122,7 @@ def test_each_instruction_set_maps_to_its_march_and_refuses_what_the_cpu_lacks()
 def test_each_level_reports_its_gemm_and_float32_results_do_not_depend_on_it(cache, monkeypatch):
     import torch
 
-    from conveyor.model.linear import CpuLinear
+    from conveyor.model.cpu.linear import CpuLinear
 
     # Every level this CPU has, built side by side (one library each).
     names = {"avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512-bf16"}
@@ -216,7 +216,7 @@ def test_the_signature_check_catches_a_wrong_argument_count(monkeypatch):
 def _check_command(env_overrides: dict[str, str], tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "CONVEYOR_CACHE_DIR": str(tmp_path), **env_overrides}
     return subprocess.run(
-        [sys.executable, "-m", "conveyor.model.cpu_kernels"], env=env, capture_output=True,
+        [sys.executable, "-m", "conveyor.model.cpu.cpu_kernels"], env=env, capture_output=True,
         text=True, check=False, timeout=300,
     )  # fmt: skip
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.model import cpu_build
+from conveyor.model.cpu import cpu_build
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,18 +12,18 @@ import torch
 import torch.nn.functional as F
 from tests.paged_blocks import shuffled_block_tables
 
-from conveyor.model import cpu_attention, cpu_build, cpu_kernels
-from conveyor.model.attention import CpuAttentionBackend, build_attention_metadata
-from conveyor.model.cpu_attention import _CpuPlan
+from conveyor.model.attention import build_attention_metadata, cpu_attention
+from conveyor.model.attention.cpu_attention import CpuAttentionBackend, _CpuPlan
+from conveyor.model.attention.torch_attention import paged_attention as reference
+from conveyor.model.cpu import cpu_build, cpu_kernels
 from conveyor.model.kv_cache import QuantizedKVCache, write_kv_cache
-from conveyor.model.layers import (
+from conveyor.model.models.layers import (
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
     use_cpu_kernels,
 )
-from conveyor.model.torch_attention import paged_attention as reference
 
 CPU = torch.device("cpu")
 
@@ -217,7 +217,7 @@ def test_without_a_compiler_the_backend_warns_once_and_runs_the_reference(
         cpu_build.build()
     cpu_kernels.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="conveyor.model.cpu_kernels"):
+        with caplog.at_level(logging.WARNING, logger="conveyor.model.cpu.cpu_kernels"):
             backend = CpuAttentionBackend(CPU)
         assert "CPU C kernels unavailable" in caplog.text
         q, k, v, cache, meta = _batch([(1, 6), (3, 9)], 4, 2, 16, 4, 2)
@@ -347,7 +347,7 @@ def test_argmax_matches_torch_first_maximum_nan_and_layouts(kernels):
 
 def test_sampler_with_the_c_argmax_draws_the_same_tokens(kernels):
     from conveyor.core.sequence import Sequence
-    from conveyor.model.sampler import Sampler
+    from conveyor.model.sampling.sampler import Sampler
     from conveyor.sampling_params import SamplingParams
 
     logits = torch.randn(12, 3000, generator=torch.Generator().manual_seed(7)) * 3

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conveyor import __version__
 from conveyor.cli import main
-from conveyor.model import demo
-from conveyor.model.demo import DEMO_CONFIG, DEMO_FILES, demo_model_path, write_demo_model
+from conveyor.model.loading import demo
+from conveyor.model.loading.demo import DEMO_CONFIG, DEMO_FILES, demo_model_path, write_demo_model
 
 # 8192 * 256 embeddings (tied) + 4 layers * (q 256x256, k/v 128x256, o 256x256, three 768x256
 # MLP matrices, two norms) + final norm.

@@ -21,8 +21,8 @@ from tests.logprobs_close import check_logprobs_close
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
-from conveyor.model import cpu_build
-from conveyor.model.linear import CpuLinear
+from conveyor.model.cpu import cpu_build
+from conveyor.model.cpu.linear import CpuLinear
 
 NEAR_TIE = {torch.bfloat16: 0.125, torch.float16: 0.02}
 NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -26,7 +26,7 @@ from tests.serve_process import metric_value, start_server
 
 from conveyor import LLM, PoolingParams, SamplingParams
 from conveyor.engine.config import EngineConfig
-from conveyor.model.pooling_config import read_pooling_config
+from conveyor.model.loading.pooling_config import read_pooling_config
 from conveyor.server.config import build_serve_config
 
 TOL = 2e-5

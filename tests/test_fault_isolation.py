@@ -19,7 +19,7 @@ import pytest
 from conveyor import LLM, AsyncLLM, SamplingParams
 from conveyor.core.sequence import Sequence
 from conveyor.engine.tokenizer import IncrementalDetokenizer
-from conveyor.model.logits_guard import FiniteLogitsGuard
+from conveyor.model.sampling.logits_guard import FiniteLogitsGuard
 from conveyor.server.app import build_app
 
 POISON = "\x00poison"  # a stop string no output contains: marks the request to break

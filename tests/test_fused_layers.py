@@ -1,4 +1,4 @@
-"""Every decoder layer of a step in one C call (conveyor.model.fused_layers) gives bit for bit
+"""Every decoder layer of a step in one C call (conveyor.model.cpu.fused_layers) gives bit for bit
 what the layers' modules give one by one, on every kind of linear it takes (float32 and
 bfloat16 panels, GGUF blocks of several types in one fused weight), with qkv biases, a
 sliding window, a bfloat16 cache and batches that mix prefill chunks and decode rows; and the
@@ -13,9 +13,9 @@ from tests.gguf_files import write_gguf
 from tests.hf_checkpoints import write_checkpoint
 
 from conveyor import LLM, SamplingParams
-from conveyor.model import cpu_kernels
-from conveyor.model.fused_layers import FusedLayers
-from conveyor.model.quant_linear import GEMM_ROWS
+from conveyor.model.cpu import cpu_kernels
+from conveyor.model.cpu.fused_layers import FusedLayers
+from conveyor.model.cpu.quant_linear import GEMM_ROWS
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
 

@@ -25,9 +25,9 @@ from tests.logprobs_close import check_logprobs_close
 from conveyor import LLM, SamplingParams
 from conveyor.engine.gguf_tokenizer import gguf_tokenizer
 from conveyor.engine.tokenizer import Tokenizer
-from conveyor.model import cpu_kernels
-from conveyor.model.checkpoint import check_checkpoint
-from conveyor.model.quant_linear import QUANT_TYPES, QuantEmbedding, QuantLinear
+from conveyor.model.cpu import cpu_kernels
+from conveyor.model.cpu.quant_linear import QUANT_TYPES, QuantEmbedding, QuantLinear
+from conveyor.model.loading.checkpoint import check_checkpoint
 
 WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64)
 # (family, weights' type, token_embd's type or None, config overrides)

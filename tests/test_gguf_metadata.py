@@ -21,8 +21,8 @@ from tests.gguf_files import write_gguf
 from tests.hf_checkpoints import write_checkpoint
 
 from conveyor import LLM
-from conveyor.model.gguf_file import GGUFFile
-from conveyor.model.gguf_loader import read_gguf_config
+from conveyor.model.loading.gguf_file import GGUFFile
+from conveyor.model.loading.gguf_loader import read_gguf_config
 
 U32, F32, STR = V.UINT32, V.FLOAT32, V.STRING
 BIG = 2**31 - 1

@@ -1,6 +1,6 @@
 """Grammar compiles in the engine: two lanes, a time limit, cancellation, deadlines.
 
-The slow constraint is a schema within every limit of structured_limits.py that still takes
+The slow constraint is a schema within every limit of structured/limits.py that still takes
 about a second to compile (7 objects of 250 optional properties: ~0.9 s on the demo model's
 tokenizer, on a loaded 2-core machine); the small one is a regex that compiles in about a
 millisecond. The tests assert on the order things finish in, not on durations.
@@ -14,10 +14,10 @@ import pytest
 from tests.structured_schemas import slow_schema
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine.grammar import GrammarTimeoutError
-from conveyor.engine.grammar_cache import GrammarCache
 from conveyor.engine.tokenizer import Tokenizer
-from conveyor.structured_outputs import StructuredOutputsParams
+from conveyor.structured.grammar import GrammarTimeoutError
+from conveyor.structured.grammar_cache import GrammarCache
+from conveyor.structured.params import StructuredOutputsParams
 
 
 def _so(tag: str) -> StructuredOutputsParams:

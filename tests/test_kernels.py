@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conveyor.model.attention import build_attention_metadata
+from conveyor.model.attention.torch_attention import paged_attention as reference
 from conveyor.model.kv_cache import QuantizedKVCache, write_kv_cache
-from conveyor.model.torch_attention import paged_attention as reference
 
 pytestmark = pytest.mark.interpreter
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

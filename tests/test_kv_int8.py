@@ -14,7 +14,8 @@ import transformers
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.config import EngineConfig
-from conveyor.model.attention import TorchAttentionBackend, build_attention_metadata
+from conveyor.model.attention import build_attention_metadata
+from conveyor.model.attention.torch_attention import TorchAttentionBackend
 from conveyor.model.kv_cache import (
     QuantizedKVCache,
     allocate_kv_caches,

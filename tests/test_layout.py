@@ -19,8 +19,8 @@ HEAVY = ("torch", "triton", "transformers", "fastapi", "uvicorn")
         "conveyor.engine.config",
         "conveyor.engine.outputs",
         "conveyor.simulator",
-        "conveyor.model.checkpoint",
-        "conveyor.model.pooling_config",
+        "conveyor.model.loading.checkpoint",
+        "conveyor.model.loading.pooling_config",
         "conveyor.pooling_params",
     ],
 )
@@ -66,8 +66,8 @@ def test_server_knows_nothing_of_blocks_or_tensors():
     forbidden = ("torch", "conveyor.core", "conveyor.model", "conveyor.kernels")
     offending = _offending("server", forbidden)
     # The one exception: the plain-Python checks of a checkpoint folder, which `conveyor
-    # serve` runs before it loads anything (model/checkpoint.py imports no torch).
-    assert offending.pop("config.py", None) in (None, ["conveyor.model.checkpoint"])
+    # serve` runs before it loads anything (model/loading/checkpoint.py imports no torch).
+    assert offending.pop("config.py", None) in (None, ["conveyor.model.loading.checkpoint"])
     assert offending == {}
 
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from conveyor import LLM, SamplingParams
-from conveyor.model import cpu_build, cpu_kernels
-from conveyor.model.linear import (
+from conveyor.model.cpu import cpu_build, cpu_kernels
+from conveyor.model.cpu.linear import (
     CpuLinear,
     Float32Embedding,
     HeadEmbedding,

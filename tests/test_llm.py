@@ -189,7 +189,7 @@ def test_progress_bar_can_be_turned_off(llm, capsys):
 
 
 def test_default_model_is_the_embedded_demo(monkeypatch, tmp_path, demo_model_dir):
-    import conveyor.model.demo as demo
+    import conveyor.model.loading.demo as demo
 
     monkeypatch.setattr(demo, "demo_model_path", lambda: demo_model_dir)
     out = LLM(num_kv_blocks=32).generate("hi", GREEDY, use_tqdm=False)

@@ -10,7 +10,7 @@ import torch
 from tests.serve_process import start_server
 from tests.test_sampler import random_logits, req
 
-from conveyor.model.sampler import Sampler
+from conveyor.model.sampling.sampler import Sampler
 from conveyor.sampling_params import SamplingParams
 
 MODEL = "demo"

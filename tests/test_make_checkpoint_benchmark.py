@@ -10,7 +10,7 @@ from pathlib import Path
 import transformers
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.demo import write_demo_model
+from conveyor.model.loading.demo import write_demo_model
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "make_checkpoint.py"
 _SPEC = importlib.util.spec_from_file_location("bench_make_checkpoint", _PATH)

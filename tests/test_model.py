@@ -12,16 +12,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from conveyor.model import cpu_build
-from conveyor.model.attention import (
-    CpuAttentionBackend,
-    TorchAttentionBackend,
-    build_attention_metadata,
-    get_attention_backend,
-)
+from conveyor.model.attention import build_attention_metadata, get_attention_backend
+from conveyor.model.attention.cpu_attention import CpuAttentionBackend
+from conveyor.model.attention.torch_attention import TorchAttentionBackend
+from conveyor.model.cpu import cpu_build
 from conveyor.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, write_kv_cache
-from conveyor.model.llama import ModelConfig
-from conveyor.model.loader import MODEL_REGISTRY, load_model, resolve_dtype
+from conveyor.model.loading.loader import MODEL_REGISTRY, load_model, resolve_dtype
+from conveyor.model.models.llama import ModelConfig
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -254,15 +251,17 @@ def test_registry_and_backend_choice(monkeypatch):
 
 
 def test_auto_backend_is_triton_on_cuda_and_torch_when_triton_cannot_run(monkeypatch):
-    import conveyor.model.attention as attention
+    import conveyor.model.attention.triton_attention as triton_attention
 
-    monkeypatch.setattr(attention, "_import_kernels", lambda device: object())
-    assert isinstance(get_attention_backend("auto", "cuda"), attention.TritonAttentionBackend)
+    monkeypatch.setattr(triton_attention, "_import_kernels", lambda device: object())
+    assert isinstance(
+        get_attention_backend("auto", "cuda"), triton_attention.TritonAttentionBackend
+    )
 
     def unavailable(device):
         raise ValueError("no triton here")
 
-    monkeypatch.setattr(attention, "_import_kernels", unavailable)
+    monkeypatch.setattr(triton_attention, "_import_kernels", unavailable)
     assert isinstance(get_attention_backend("auto", "cuda"), TorchAttentionBackend)
     with pytest.raises(ValueError, match="no triton here"):
         get_attention_backend("triton", "cuda")

@@ -62,8 +62,8 @@ def _pip(*args: str) -> None:
 _USER_CHECK = """
 import importlib.util, json, torch
 import conveyor
-from conveyor.model import cpu_build, cpu_kernels
-from conveyor.model.linear import resolve_linear_backend
+from conveyor.model.cpu import cpu_build, cpu_kernels
+from conveyor.model.cpu.linear import resolve_linear_backend
 kernels = cpu_kernels.load()
 print(json.dumps({
     "file": conveyor.__file__,
@@ -102,7 +102,10 @@ needs_cc = pytest.mark.skipif(
 
 
 def _csrc_files() -> set[str]:
-    return {f"conveyor/model/csrc/{p.name}" for p in (ROOT / "src/conveyor/model/csrc").iterdir()}
+    return {
+        f"conveyor/model/cpu/csrc/{p.name}"
+        for p in (ROOT / "src/conveyor/model/cpu/csrc").iterdir()
+    }
 
 
 @needs_cc

@@ -168,8 +168,8 @@ def test_the_cuda_profile_runs_one_forward_and_sizes_from_what_is_left(monkeypat
     import torch
 
     from conveyor.model import kv_sizing
-    from conveyor.model.demo import demo_model_path
-    from conveyor.model.loader import load_model
+    from conveyor.model.loading.demo import demo_model_path
+    from conveyor.model.loading.loader import load_model
 
     calls = []
     fake = {

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from conveyor.engine.config import EngineConfig
-from conveyor.model.quant_linear import (
+from conveyor.model.cpu.quant_linear import (
     GEMM_ROWS,
     QUANT_TYPES,
     QuantEmbedding,
@@ -121,7 +121,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, qtype, pas
 
 
 def test_a_prefill_gemm_slices_the_weight_and_adds_the_bias(kernels, monkeypatch):
-    import conveyor.model.quant_linear as ql
+    import conveyor.model.cpu.quant_linear as ql
 
     monkeypatch.setattr(ql, "_GEMM_SLICE", 24)  # 3 slices of 24 weight rows and one of 8
     parts = [random_blocks("Q4_K", 48, 256, 1), random_blocks("Q8_0", 32, 256, 2)]

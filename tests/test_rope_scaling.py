@@ -2,7 +2,7 @@
 
 Each type runs prompts that start inside the original context (32 positions here) and run
 well past it, on a tiny Llama whose rope has that scaling. Dynamic NTK follows transformers
-position by position (conveyor.model.layers.dynamic_ntk_inv_freq): exact for generated tokens
+position by position (conveyor.model.models.layers.dynamic_ntk_inv_freq): exact for generated tokens
 and prompts inside the original context, and independent of how a longer prompt is chunked.
 """
 
@@ -16,8 +16,8 @@ import transformers
 from tests.hf_checkpoints import greedy_reference, write_checkpoint
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.layers import RotaryEmbedding
-from conveyor.model.llama import ModelConfig
+from conveyor.model.models.layers import RotaryEmbedding
+from conveyor.model.models.llama import ModelConfig
 
 ORIGINAL = 32
 SCALINGS = {

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conveyor.core.sequence import Sequence
-from conveyor.model.logits_processors import apply_penalties, top_k_top_p
-from conveyor.model.sampler import Sampler
+from conveyor.model.sampling.logits_processors import apply_penalties, top_k_top_p
+from conveyor.model.sampling.sampler import Sampler
 from conveyor.sampling_params import SamplingParams
 
 _ids = itertools.count()

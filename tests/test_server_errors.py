@@ -16,7 +16,7 @@ from tests.serve_process import start_server
 
 from conveyor import LLM, SamplingParams
 from conveyor.core.limits import PromptLimits
-from conveyor.model import demo
+from conveyor.model.loading import demo
 
 KEY = "sk-test-key"
 NAME = "tiny"

@@ -1,4 +1,4 @@
-"""The checks an output constraint passes before anything compiles it (structured_limits.py),
+"""The checks an output constraint passes before anything compiles it (structured/limits.py),
 and the server's check of whether a small constraint allows any output at all."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 import pytest
 from tests.structured_schemas import SCHEMAS
 
-from conveyor.engine.grammar import GrammarUnsatisfiableError, check_structured_outputs
-from conveyor.structured_limits import (
+from conveyor.structured.grammar import GrammarUnsatisfiableError, check_structured_outputs
+from conveyor.structured.limits import (
     MAX_ENUM_VALUES,
     MAX_OPTIONAL_PROPERTIES,
     MAX_PROPERTIES,
@@ -19,7 +19,7 @@ from conveyor.structured_limits import (
     check_constraint,
     check_schema,
 )
-from conveyor.structured_outputs import StructuredOutputsParams
+from conveyor.structured.params import StructuredOutputsParams
 
 
 def _check(**kind: object) -> None:

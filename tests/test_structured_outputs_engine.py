@@ -10,11 +10,11 @@ from tests.structured_schemas import Customer, Order, Person
 
 from conveyor import LLM, SamplingParams
 from conveyor.core.sequence import Sequence
-from conveyor.engine.grammar import GrammarRejectedError, RequestGrammar
-from conveyor.engine.grammar_cache import GrammarCache
 from conveyor.engine.tokenizer import Tokenizer
-from conveyor.model.sampler import Sampler
-from conveyor.structured_outputs import StructuredOutputsParams
+from conveyor.model.sampling.sampler import Sampler
+from conveyor.structured.grammar import GrammarRejectedError, RequestGrammar
+from conveyor.structured.grammar_cache import GrammarCache
+from conveyor.structured.params import StructuredOutputsParams
 
 PERSON = Person.model_json_schema()
 

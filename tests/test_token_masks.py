@@ -9,8 +9,8 @@ from tests.test_sampler import random_logits, req
 
 from conveyor.core.limits import PromptError, PromptLimits
 from conveyor.engine.tokenizer import Tokenizer
-from conveyor.model.logits_processors import apply_token_masks
-from conveyor.model.sampler import Sampler
+from conveyor.model.sampling.logits_processors import apply_token_masks
+from conveyor.model.sampling.sampler import Sampler
 from conveyor.sampling_params import SamplingParams
 
 

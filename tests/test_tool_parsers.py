@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from conveyor.engine.grammar import _byte_compiler, build_grammar
 from conveyor.server.protocol import ChatMessage
 from conveyor.server.tool_fallback import fallback_messages
 from conveyor.server.tool_parsers import (
@@ -19,6 +18,7 @@ from conveyor.server.tool_parsers import (
     parse_mistral,
 )
 from conveyor.server.tools import ToolCallStream, tool_setup
+from conveyor.structured.grammar import _byte_compiler, build_grammar
 
 QWEN_TEXT = (
     "Let me check both.\n<tool_call>\n"

@@ -12,7 +12,7 @@ import torch
 from tests.hf_checkpoints import write_checkpoint
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.attention import TritonAttentionBackend
+from conveyor.model.attention.triton_attention import TritonAttentionBackend
 
 pytestmark = pytest.mark.interpreter
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -30,7 +30,7 @@ def _add_demo_model(commands: argparse._SubParsersAction) -> None:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from conveyor.model.demo import write_demo_model
+    from conveyor.model.loading.demo import write_demo_model
 
     print(write_demo_model(args.dir).resolve())
     return 0

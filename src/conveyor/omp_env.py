@@ -1,6 +1,6 @@
 """The OpenMP wait policy conveyor runs with unless the user chose one.
 
-torch's CPU kernels (and ours in model/csrc, built with -fopenmp into torch's libgomp pool)
+torch's CPU kernels (and ours in model/cpu/csrc, built with -fopenmp into torch's libgomp pool)
 run in OpenMP parallel regions. Between regions libgomp's idle threads spin, by default
 300000 times (a few ms) before they sleep. A decode step is hundreds of short regions, so on
 a machine whose cores other processes also want, the spinning threads burn the time slices

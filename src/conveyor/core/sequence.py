@@ -116,7 +116,7 @@ class Sequence:
         # Scheduler clock time at which it last joined `running` (None while never admitted);
         # preemptive policies leave a request alone for a cooldown after this.
         self.admitted_at: float | None = None
-        # Its output constraint's matcher (conveyor.engine.grammar.RequestGrammar; opaque to
+        # Its output constraint's matcher (conveyor.structured.grammar.RequestGrammar; opaque to
         # core); None when unconstrained. It follows `output_token_ids`, which a recompute
         # after preemption keeps, so preemption never invalidates it.
         self.grammar: Any = None

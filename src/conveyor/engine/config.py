@@ -83,13 +83,13 @@ class EngineConfig:
     )
     attention_backend: str = setting(
         "auto",
-        "attention kernels (model/attention.py); auto: triton on CUDA, cpu on CPU",
+        "attention kernels (model/attention/); auto: triton on CUDA, cpu on CPU",
         section=MODEL,
         choices=ATTENTION_BACKENDS,
     )
     linear_backend: str = setting(
         "auto",
-        "GEMMs (model/linear.py): cpu (our C kernel on weights packed once at load, float32 "
+        "GEMMs (model/cpu/linear.py): cpu (our C kernel on weights packed once at load, float32 "
         "or bfloat16), onednn (weights prepacked once for oneDNN, float32), torch "
         "(nn.Linear); auto: on CPU cpu where the build has a vector GEMM, else onednn in "
         "float32, else torch; torch elsewhere",
@@ -98,7 +98,7 @@ class EngineConfig:
     )
     quant_activation_passes: int = setting(
         2,
-        "GGUF weights kept quantized (model/quant_linear.py): activations quantized per block "
+        "GGUF weights kept quantized (model/cpu/quant_linear.py): activations quantized per block "
         "of 32 to 8 bits in 2 passes (the second holds the first's rounding error: close to "
         "fp32's results) or 1 (llama.cpp's arithmetic, about half the integer work)",
         section=MODEL,

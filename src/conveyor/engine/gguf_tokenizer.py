@@ -3,7 +3,7 @@
 transformers builds the tokenizer of a GGUF file (`PreTrainedTokenizerFast.from_pretrained(
 ..., gguf_file=...)`) with its own GGUF reader, which imports torch: 200 MB more memory in
 the HTTP server process, which holds a tokenizer and never runs the model. Here the metadata
-comes from conveyor's reader (model/gguf_file.py, numpy only) in the shape transformers'
+comes from conveyor's reader (model/loading/gguf_file.py, numpy only) in the shape transformers'
 reader gives it (numbers as lists, a string array other than the vocabulary and the merges
 as its length), and transformers' own converter builds the same tokenizer from it.
 
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerFast
 
-from conveyor.model.gguf_file import GGUFFile
+from conveyor.model.loading.gguf_file import GGUFFile
 
 # The string arrays transformers' reader reads in full; it gives any other as its length.
 _FULL_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")

@@ -25,15 +25,15 @@ from conveyor.core.limits import PromptLimits
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.config import EngineConfig
-from conveyor.engine.grammar import GrammarUnsatisfiableError
-from conveyor.engine.grammar_cache import GrammarCache
-from conveyor.engine.grammar_queue import GrammarQueue
 from conveyor.engine.output_state import OutputState, RequestState
 from conveyor.engine.outputs import Metric, MetricName, RequestMetrics, RequestOutput
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from conveyor.model.checkpoint import check_checkpoint
-from conveyor.model.pooling_config import read_pooling_config
+from conveyor.model.loading.checkpoint import check_checkpoint
+from conveyor.model.loading.pooling_config import read_pooling_config
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.grammar import GrammarUnsatisfiableError
+from conveyor.structured.grammar_cache import GrammarCache
+from conveyor.structured.grammar_queue import GrammarQueue
 
 logger = logging.getLogger(__name__)
 

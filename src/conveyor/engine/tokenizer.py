@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from conveyor.model.checkpoint import find_gguf_file
+from conveyor.model.loading.checkpoint import find_gguf_file
 from conveyor.sampling_params import SamplingParams
 
 # Prompt tokens decoded before the first output token, so the first output token's text

@@ -53,7 +53,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.outputs import RequestOutput
 from conveyor.entrypoints.engine_client import StepStats
 from conveyor.entrypoints.wire import EngineProcessError, unpack_output
-from conveyor.model.pooling_config import PoolingConfig
+from conveyor.model.loading.pooling_config import PoolingConfig
 from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from conveyor.entrypoints.data_parallel import DataParallelClient
 from conveyor.entrypoints.engine_client import EngineClient
 from conveyor.entrypoints.engine_process import EngineProcess
 from conveyor.entrypoints.engine_thread import EngineThread
-from conveyor.model.pooling_config import PoolingConfig
+from conveyor.model.loading.pooling_config import PoolingConfig
 
 
 @dataclass(slots=True)

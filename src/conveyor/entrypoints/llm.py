@@ -19,7 +19,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from conveyor.engine.config import EngineConfig
-from conveyor.engine.grammar import check_structured_outputs
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import (
     EmbeddingOutput,
@@ -29,6 +28,7 @@ from conveyor.engine.outputs import (
 )
 from conveyor.pooling_params import PoolingParams
 from conveyor.sampling_params import SamplingParams
+from conveyor.structured.grammar import check_structured_outputs
 
 PromptType = str | list[int] | dict[str, Any]
 # {"role": ..., "content": ...}, see conveyor.engine.tokenizer.chat_messages

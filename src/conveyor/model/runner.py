@@ -27,10 +27,11 @@ from conveyor.core.logprobs import TokenLogprobs
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence
 from conveyor.engine.config import EngineConfig
-from conveyor.model import cpu_kernels
 from conveyor.model.attention import AttentionMetadata, build_attention_metadata
-from conveyor.model.demo import demo_model_path
-from conveyor.model.fused_layers import FusedLayers
+from conveyor.model.cpu import cpu_kernels
+from conveyor.model.cpu.fused_layers import FusedLayers
+from conveyor.model.cpu.linear import linear_factory, pack_linears, resolve_linear_backend
+from conveyor.model.cpu.quant_linear import set_activation_passes
 from conveyor.model.kv_cache import (
     allocate_kv_caches,
     available_memory_bytes,
@@ -38,21 +39,20 @@ from conveyor.model.kv_cache import (
     kv_cache_memory_error,
 )
 from conveyor.model.kv_sizing import log_kv_cache, profile_cuda_kv_bytes
-from conveyor.model.layers import use_cpu_kernels
-from conveyor.model.linear import linear_factory, pack_linears, resolve_linear_backend
-from conveyor.model.llama import ModelConfig
-from conveyor.model.loader import (
+from conveyor.model.loading.demo import demo_model_path
+from conveyor.model.loading.loader import (
     load_model,
     read_hf_config,
     resolve_dtype,
     resolve_model_class,
     weight_bytes,
 )
-from conveyor.model.logits_guard import FiniteLogitsGuard
+from conveyor.model.models.layers import use_cpu_kernels
+from conveyor.model.models.llama import ModelConfig
 from conveyor.model.pooler import Pooler, PoolRows
-from conveyor.model.prompt_logprobs import PromptRows, prompt_logprobs
-from conveyor.model.quant_linear import set_activation_passes
-from conveyor.model.sampler import Sampler, SamplerOutput
+from conveyor.model.sampling.logits_guard import FiniteLogitsGuard
+from conveyor.model.sampling.prompt_logprobs import PromptRows, prompt_logprobs
+from conveyor.model.sampling.sampler import Sampler, SamplerOutput
 from conveyor.parallel.group import StepBatch, TPGroup
 from conveyor.parallel.sharding import Shard
 

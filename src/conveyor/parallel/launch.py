@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from conveyor.engine.config import EngineConfig
-from conveyor.model.demo import demo_model_path
+from conveyor.model.loading.demo import demo_model_path
 from conveyor.model.runner import ModelRunner, resolve_device
 from conveyor.parallel.group import TensorParallelError, TPGroup, timeout_from_env
 
@@ -119,9 +119,9 @@ def shutdown_runner(runner: ModelRunner) -> None:
 
 def _check_model(model_path: str, size: int) -> None:
     """Shapes that cannot be split, or a GGUF file, are refused before any process starts."""
-    from conveyor.model.checkpoint import find_gguf_file
-    from conveyor.model.llama import ModelConfig
-    from conveyor.model.loader import read_hf_config
+    from conveyor.model.loading.checkpoint import find_gguf_file
+    from conveyor.model.loading.loader import read_hf_config
+    from conveyor.model.models.llama import ModelConfig
     from conveyor.parallel.sharding import check_tensor_parallel
 
     if find_gguf_file(model_path) is not None:

@@ -32,14 +32,14 @@ from conveyor.server.responses import (
 )
 from conveyor.server.sse import ChatChunks
 from conveyor.server.streaming import sse_response
-from conveyor.server.structured import (
+from conveyor.server.tool_parsers import ToolCall
+from conveyor.server.tools import ToolCallStream, ToolSetup, tool_call_dict, tool_setup
+from conveyor.structured.request import (
     checked_structured_outputs,
     checked_tool_constraint,
     relabeled,
     requested_structured_outputs,
 )
-from conveyor.server.tool_parsers import ToolCall
-from conveyor.server.tools import ToolCallStream, ToolSetup, tool_call_dict, tool_setup
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from conveyor.server.responses import (
 )
 from conveyor.server.sse import CompletionChunks
 from conveyor.server.streaming import merge_streams, sse_response
-from conveyor.server.structured import checked_structured_outputs, relabeled
+from conveyor.structured.request import checked_structured_outputs, relabeled
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Response:

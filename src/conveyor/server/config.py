@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.engine.config import EngineConfig
-from conveyor.model.checkpoint import check_checkpoint
+from conveyor.model.loading.checkpoint import check_checkpoint
 from conveyor.server.reasoning import REASONING_PARSER_CHOICES
 from conveyor.server.tenancy import TenantSalt
 from conveyor.server.tool_parsers import TOOL_CALL_PARSERS

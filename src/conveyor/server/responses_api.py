@@ -42,7 +42,7 @@ from conveyor.server.responses_protocol import (
 )
 from conveyor.server.responses_stream import ResponseEvents, item_id, output_items
 from conveyor.server.streaming import sse_response
-from conveyor.server.structured import relabeled
+from conveyor.structured.request import relabeled
 
 STORE_SIZE = 256
 

@@ -39,7 +39,7 @@ from conveyor.server.tool_parsers import (
     parse_required,
     snapshot_required,
 )
-from conveyor.structured_outputs import StructuredOutputsParams
+from conveyor.structured.params import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ANY_OBJECT = {"type": "object", "properties": {}}
@@ -147,7 +147,7 @@ class ToolSetup:
 def _text_or_call(
     schema: dict[str, Any], opener: str, prefix: str = "", suffix: str = ""
 ) -> StructuredOutputsParams:
-    from conveyor.engine.grammar import text_or_json_ebnf
+    from conveyor.structured.grammar import text_or_json_ebnf
 
     ebnf = text_or_json_ebnf(schema, opener + _BLANKS, prefix, suffix)
     return StructuredOutputsParams(grammar=ebnf)

@@ -1,0 +1,173 @@
+/* Every decoder layer of one step in one call: the same kernels, in the same order and on the
+ * same values, as the layers' Python modules call them one by one (model/models/llama.py:
+ * LlamaDecoderLayer with RMSNorm, RopeStep, CpuAttentionBackend and GatedMLP on these C
+ * kernels, and CpuLinear or QuantLinear linears), so the result is bit for bit theirs.
+ *
+ * What it saves is the Python between the kernels: a decode step of a 30-layer model makes
+ * about 300 kernel calls, each reached through an nn.Module call, argument checks, a tensor
+ * allocation and a ctypes call (about 20 us a kernel, 6 ms a step on SmolLM2-135M, as much
+ * as its weights take to read). model/cpu/fused_layers.py builds the per-layer descriptors once
+ * and calls this once a step when the step qualifies (float32 activations, no tensor
+ * parallelism, every attention row on the C kernel, fewer than GEMM_ROWS rows for GGUF
+ * blocks); anything else runs the modules.
+ *
+ * One layer, x [t, hidden] coming in and the residual stream r [t, hidden]:
+ *   layer 0: r = x, x = rms_norm(r) * w_in       (the caller passes the embedding as r)
+ *   else:    r += x, x = rms_norm(r) * w_in      (add_rms_norm, in place)
+ *   qkv = x @ Wqkv.T (+ b); rotary on q and k heads in place
+ *   attn = paged_attention(q; k, v written to the cache first)
+ *   o = attn @ Wo.T (+ b); r += o, o = rms_norm(r) * w_post
+ *   x = (silu(gate) * up of o @ Wgu.T) @ Wdown.T
+ */
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+
+/* The kernels of the other files (one library). */
+void conveyor_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n,
+                         int64_t k, const float *bias, float *out, int64_t ldo, int num_threads);
+void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
+                          int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
+                          int num_threads);
+void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
+                               int passes, int num_threads);
+int conveyor_quant_linear_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
+                              const void *xq, int64_t m, int passes, const float *bias,
+                              float *out, int64_t ldo, int num_threads);
+void conveyor_add_rms_norm_f32(float *x, int64_t x_stride, float *residual, int64_t r_stride,
+                               const float *w, int64_t rows, int hidden, float eps,
+                               int num_threads);
+void conveyor_rms_norm_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride,
+                           const float *w, int64_t rows, int hidden, float eps, int num_threads);
+void conveyor_rotary_f32(float *x, int64_t row_stride, int64_t rows, int num_heads, int d,
+                         const int64_t *positions, const float *cos_sin, int num_threads);
+void conveyor_silu_mul_f32(const float *gate_up, int64_t in_stride, float *out,
+                           int64_t out_stride, int64_t rows, int inter, int num_threads);
+int conveyor_paged_attention_f32(
+    const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride, float *k_cache,
+    float *v_cache, const int32_t *block_tables, int64_t bt_stride, const int32_t *key_begin,
+    const int32_t *key_end, const int64_t *rows, const int64_t *batch, int64_t n, int hq,
+    int hkv, int d, int block_size, int max_keys, float scale, int num_threads,
+    const float *new_k, int64_t new_k_stride, const float *new_v, int64_t new_v_stride,
+    const int64_t *slots, int64_t n_new, int64_t num_slots);
+int conveyor_paged_attention_bf16(
+    const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride, uint16_t *k_cache,
+    uint16_t *v_cache, const int32_t *block_tables, int64_t bt_stride, const int32_t *key_begin,
+    const int32_t *key_end, const int64_t *rows, const int64_t *batch, int64_t n, int hq,
+    int hkv, int d, int block_size, int max_keys, float scale, int num_threads,
+    const float *new_k, int64_t new_k_stride, const float *new_v, int64_t new_v_stride,
+    const int64_t *slots, int64_t n_new, int64_t num_slots);
+
+#define MAX_PARTS 4
+
+/* One linear layer: float32 or bfloat16 panels (CpuLinear) or GGUF blocks (QuantLinear, up
+ * to MAX_PARTS pieces stacked by rows, each with its type). Mirrored by fused_layers.py. */
+typedef struct {
+    int32_t kind; /* 0: float32 panels, 1: bfloat16 panels, 2: GGUF blocks */
+    int32_t parts;
+    int64_t n, k;
+    const void *panels;
+    const float *bias; /* kinds 0, 1 (NULL: none) */
+    int32_t qtype[MAX_PARTS];
+    const uint8_t *w[MAX_PARTS];
+    int64_t ldw[MAX_PARTS], rows[MAX_PARTS], start[MAX_PARTS];
+    const float *qbias[MAX_PARTS]; /* kind 2: each piece's bias slice (NULL: none) */
+} cv_linear;
+
+typedef struct {
+    const float *in_norm, *post_norm;
+    float in_eps, post_eps;
+    int32_t rows_set; /* which of the step's attention row sets (its sliding window) */
+    void *k_cache, *v_cache;
+    cv_linear qkv, o, gate_up, down;
+} cv_layer;
+
+/* The rows the attention kernel attends and their keys, for one sliding window. */
+typedef struct {
+    const int32_t *block_tables;
+    int64_t bt_stride;
+    const int32_t *key_begin, *key_end;
+    const int64_t *rows, *batch;
+    int64_t n;
+    int32_t max_keys;
+} cv_rows;
+
+typedef struct {
+    int64_t t;
+    int32_t hidden, hq, hkv, d, inter, block_size, kv_bf16, passes, num_threads;
+    float scale;
+    const int64_t *positions;
+    const float *cos_sin;
+    const int64_t *slots;
+    int64_t num_slots;
+} cv_step;
+
+static int run_linear(const cv_linear *l, const float *x, int64_t m, float *out, void *xq,
+                      int passes, int threads)
+{
+    if (l->kind == 0) {
+        conveyor_linear_f32(x, l->k, m, (const float *)l->panels, l->n, l->k, l->bias, out, l->n,
+                            threads);
+        return 0;
+    }
+    if (l->kind == 1) {
+        conveyor_linear_bf16(x, l->k, m, (const uint16_t *)l->panels, l->n, l->k, l->bias, out,
+                             l->n, threads);
+        return 0;
+    }
+    conveyor_quantize_q8a_f32(x, l->k, m, l->k, xq, passes, threads);
+    for (int i = 0; i < l->parts; i++)
+        if (conveyor_quant_linear_f32(l->qtype[i], l->w[i], l->ldw[i], l->rows[i], l->k, xq, m,
+                                      passes, l->qbias[i], out + l->start[i], l->n, threads))
+            return 1;
+    return 0;
+}
+
+/* Returns 0, or (layer index << 8) | what failed: 1 a quantized type the kernel does not
+ * handle, else the attention kernel's bits (2: a key range, 4: a cache slot, 1: memory) << 1.
+ * Buffers (float32, contiguous rows): x and o [t, hidden], residual [t, hidden] (the
+ * embedding coming in), qkv [t, (hq + 2 hkv) d], attn [t, hq d], gate_up [t, 2 inter],
+ * act [t, inter]; xq the activations' blocks for the largest k (passes x t x k / 32 x 40 B).
+ * x ends as the last layer's output, residual as the stream it adds to. */
+int conveyor_decoder_layers(const cv_layer *layers, int n_layers, const cv_rows *row_sets,
+                            const cv_step *s, float *x, float *residual, float *o, float *qkv,
+                            float *attn, float *gate_up, float *act, void *xq)
+{
+    const int64_t t = s->t;
+    const int hidden = s->hidden, d = s->d, hq = s->hq, hkv = s->hkv, threads = s->num_threads;
+    const int64_t qkv_w = (int64_t)(hq + 2 * hkv) * d;
+    for (int i = 0; i < n_layers; i++) {
+        const cv_layer *L = layers + i;
+        const cv_rows *R = row_sets + L->rows_set;
+        if (i == 0)
+            conveyor_rms_norm_f32(residual, hidden, x, hidden, L->in_norm, t, hidden, L->in_eps,
+                                  threads);
+        else
+            conveyor_add_rms_norm_f32(x, hidden, residual, hidden, L->in_norm, t, hidden,
+                                      L->in_eps, threads);
+        if (run_linear(&L->qkv, x, t, qkv, xq, s->passes, threads)) return (i << 8) | 1;
+        conveyor_rotary_f32(qkv, qkv_w, t, hq + hkv, d, s->positions, s->cos_sin, threads);
+        const float *k_new = qkv + (int64_t)hq * d, *v_new = qkv + (int64_t)(hq + hkv) * d;
+        int failed;
+        if (s->kv_bf16)
+            failed = conveyor_paged_attention_bf16(
+                qkv, qkv_w, attn, (int64_t)hq * d, (uint16_t *)L->k_cache, (uint16_t *)L->v_cache,
+                R->block_tables, R->bt_stride, R->key_begin, R->key_end, R->rows, R->batch, R->n,
+                hq, hkv, d, s->block_size, R->max_keys, s->scale, threads, k_new, qkv_w, v_new,
+                qkv_w, s->slots, t, s->num_slots);
+        else
+            failed = conveyor_paged_attention_f32(
+                qkv, qkv_w, attn, (int64_t)hq * d, (float *)L->k_cache, (float *)L->v_cache,
+                R->block_tables, R->bt_stride, R->key_begin, R->key_end, R->rows, R->batch, R->n,
+                hq, hkv, d, s->block_size, R->max_keys, s->scale, threads, k_new, qkv_w, v_new,
+                qkv_w, s->slots, t, s->num_slots);
+        if (failed) return (i << 8) | (failed << 1);
+        if (run_linear(&L->o, attn, t, o, xq, s->passes, threads)) return (i << 8) | 1;
+        conveyor_add_rms_norm_f32(o, hidden, residual, hidden, L->post_norm, t, hidden,
+                                  L->post_eps, threads);
+        if (run_linear(&L->gate_up, o, t, gate_up, xq, s->passes, threads)) return (i << 8) | 1;
+        conveyor_silu_mul_f32(gate_up, 2 * (int64_t)s->inter, act, s->inter, t, s->inter, threads);
+        if (run_linear(&L->down, act, t, x, xq, s->passes, threads)) return (i << 8) | 1;
+    }
+    return 0;
+}

@@ -1,0 +1,146 @@
+/* Linear layers on GGUF's quantized blocks: out = x @ W^T + bias for W [N, K] in Q8_0, Q4_0
+ * or Q4_1 (their rows interleaved eight at a time at load: quant_x8.c) or a K-quant (Q4_K,
+ * Q5_K, Q6_K, rows as the file has them: quant_k.c) (conveyor.model.cpu.quant_linear.QuantLinear).
+ * This file quantizes the activations and splits the work.
+ *
+ * The blocks (32 weights each, little-endian, d and m float16):
+ *
+ *     Q8_0  d, int8 q[32]                   w_j = d q_j                     34 bytes
+ *     Q4_0  d, uint8 qs[16]                 w_j = d (q_j - 8)               18 bytes
+ *     Q4_1  d, m, uint8 qs[16]              w_j = d q_j + m                 20 bytes
+ *           q_j = qs[j] & 15 for j < 16, qs[j - 16] >> 4 for j >= 16
+ *
+ * The dot products the formats were designed for: each row of x is first quantized per block
+ * of 32 to 8 bits (Q8A below: dx = max|x| / 127, qx = round(x / dx), and s = dx sum(qx)), so a
+ * block's contribution is one integer dot product and two scales:
+ *
+ *     Q8_0  d dx sum(q qx)        Q4_0  d (dx sum(q qx) - 8 s)        Q4_1  d dx sum(q qx) + m s
+ *
+ * With two passes (the default of QuantLinear) the rounding error x - dx qx is quantized the
+ * same way into a second set of blocks and its dot product added: 8-bit x 8-bit arithmetic
+ * still, but x is then held to about 1 / 254^2 of each block's largest value instead of
+ * 1 / 254. One pass is llama.cpp's arithmetic (Q8_0 / Q8_1 activations); on SmolLM2-135M it
+ * moves near-tied logits by up to ~0.1 (its first answer token to "What is the capital of
+ * France?" flips from "The" to "L", both in each other's top 5), where two passes keep the
+ * fp32 answer.
+ *
+ * The integer dot: AVX2 `maddubs` (unsigned 4-bit x signed 8-bit into int16 pairs, then
+ * `madd` into int32; Q8_0's signed weights through the sign trick |w| x sign(qx, w)), or
+ * AVX-512 VNNI's `dpbusd` (the same in one instruction; Q8_0 as (qx + 128) w less 128 sum(w),
+ * since dpbusd does not saturate) where the build has it, on 512-bit registers (two quad runs
+ * of a group per load) where the build has AVX-512BW, with maddubs there when it lacks VNNI;
+ * a plain C loop otherwise (the portable build). All give the same integer sums; the float
+ * scale products are summed per block in order, so results agree across builds to fp32
+ * rounding.
+ *
+ * The activation quantization is the only approximation beyond the file's own: at most half
+ * a step of the last pass per element of x (tests/test_quant_linear.py states the tolerance).
+ *
+ * Work split: threads take groups of eight weight rows; their bytes stay in L1 while every
+ * activation row passes over them.
+ */
+#include <math.h>
+
+#include "quant_blocks.h"
+
+#define PARALLEL_MIN_BLOCKS 4096
+
+static void quantize_block(const float *v, q8a_block *o)
+{
+    float amax = 0.f;
+    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int j = 0; j < QK; j++) {
+        const int q = (int)lrintf(v[j] * inv);
+        o->q[j] = (int8_t)q;
+        sum += q;
+    }
+    o->d = d;
+    o->s = d * (float)sum;
+}
+
+/* Quantize m rows of x [m, k] (k a multiple of 32) into out: `passes` (1 or 2) sets of m rows
+ * of k / 32 Q8A blocks, the second one the first's rounding error. */
+void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
+                               int passes, int num_threads)
+{
+    const int64_t nb = k / QK;
+    q8a_block *blocks = (q8a_block *)out;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) \
+        if (m * nb >= PARALLEL_MIN_BLOCKS)
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * ldx + b * QK;
+            q8a_block *o = blocks + r * nb + b;
+            quantize_block(v, o);
+            if (passes > 1) {
+                float rest[QK];
+                for (int j = 0; j < QK; j++) rest[j] = v[j] - o->d * o->q[j];
+                quantize_block(rest, o + m * nb);
+            }
+        }
+    }
+}
+
+/* out[r, j] = sum_k xq[r, k] W[j, k] + bias[j] for r < m, j < n, xq from
+ * conveyor_quantize_q8a_f32 with the same passes, bias NULL or [n]. W: for Q8_0, Q4_0 and
+ * Q4_1 (quant_x8.c) and the K-quants (quant_k.c), ceil(n / 8) groups of eight interleaved
+ * rows, ldw bytes apart. Returns 0, or 1 for a type (or a K-quant width) this file does not
+ * handle (nothing written). */
+int conveyor_quant_linear_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
+                              const void *xq, int64_t m, int passes, const float *bias,
+                              float *out, int64_t ldo, int num_threads)
+{
+    const int64_t nb = k / QK;
+    const int kquant = quant_k_block_bytes(qtype) > 0;
+    if (kquant ? k % QK_K != 0 : !quant_x8_block_bytes(qtype)) return 1;
+    const q8a_block *x = (const q8a_block *)xq, *x2 = passes > 1 ? x + m * nb : 0;
+    /* a task: eight weight rows (one interleaved group) against every activation row, the
+     * group's bytes staying in L1 */
+    const int64_t tasks = (n + 7) / 8;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) \
+        if (tasks > 1 && m * n * nb >= PARALLEL_MIN_BLOCKS)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t j0 = 8 * t, rows = n - j0 < 8 ? n - j0 : 8;
+        for (int64_t r = 0; r < m; r++) {
+            const q8a_block *xr = x + r * nb, *x2r = x2 ? x2 + r * nb : 0;
+            float dots[8];
+            if (kquant)
+                quant_k_group_dot(qtype, w + t * ldw, k, xr, x2r, dots);
+            else
+                quant_x8_group_dot(qtype, w + t * ldw, k, xr, x2r, dots);
+            for (int64_t i = 0; i < rows; i++)
+                out[r * ldo + j0 + i] = dots[i] + (bias ? bias[j0 + i] : 0.f);
+        }
+    }
+    return 0;
+}
+
+/* Rows ids[i] (i < count) of W (n rows, laid out as conveyor_quant_linear_f32 takes them)
+ * dequantized to float32 out [count, k] (ldo apart): the embedding lookup of a quantized
+ * embedding, and a quantized linear's weight for prefill-sized GEMMs. Returns 0, 1 for an
+ * unknown type, 2 for an id outside [0, n) (its row is left as it was). */
+int conveyor_quant_rows_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
+                            const int64_t *ids, int64_t count, float *out, int64_t ldo,
+                            int num_threads)
+{
+    const int kquant = quant_k_block_bytes(qtype) > 0;
+    if (kquant ? k % QK_K != 0 : !quant_x8_block_bytes(qtype)) return 1;
+    int failed = 0;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(max : failed) \
+        if (count * k >= 64 * 1024)
+    for (int64_t i = 0; i < count; i++) {
+        if (ids[i] < 0 || ids[i] >= n) {
+            failed = 2;
+            continue;
+        }
+        if (kquant)
+            quant_k_row_dequantize(qtype, w + ids[i] / 8 * ldw, (int)(ids[i] % 8), k,
+                                   out + i * ldo);
+        else
+            quant_x8_row_dequantize(qtype, w + ids[i] / 8 * ldw, (int)(ids[i] % 8), k,
+                                    out + i * ldo);
+    }
+    return failed;
+}

@@ -1,0 +1,33 @@
+/* Neox-style rotary embedding for CPU, float32, in place (conveyor.model.models.layers.RopeStep):
+ * rotates the q and k heads where the qkv projection wrote them, instead of chunking,
+ * multiplying and concatenating into new tensors. Its reference is layers.apply_rotary.
+ *
+ * cos_sin: [max_position, D] rows of [cos(half) | sin(half)] (RotaryEmbedding.cos_sin_cache);
+ * x: token i's heads start at x + i * row_stride, head h at + h * D, each D contiguous floats:
+ *     x1, x2 = x[:D/2], x[D/2:]   ->   x1 * cos - x2 * sin,  x2 * cos + x1 * sin
+ */
+#include <stdint.h>
+
+#define PARALLEL_MIN_ELEMENTS (1 << 16)
+
+void conveyor_rotary_f32(float *x, int64_t row_stride, int64_t rows, int num_heads, int d,
+                         const int64_t *positions, const float *cos_sin, int num_threads)
+{
+    const int half = d / 2;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) \
+        if (rows * num_heads * d >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *c = cos_sin + positions[i] * d;
+        const float *s = c + half;
+        for (int h = 0; h < num_heads; h++) {
+            float *x1 = x + i * row_stride + (int64_t)h * d;
+            float *x2 = x1 + half;
+            #pragma omp simd
+            for (int j = 0; j < half; j++) {
+                const float a = x1[j], b = x2[j];
+                x1[j] = a * c[j] - b * s[j];
+                x2[j] = b * c[j] + a * s[j];
+            }
+        }
+    }
+}

@@ -1,0 +1,329 @@
+"""Every decoder layer of a step in one C call (csrc/decoder_layers.c), for the CPU path.
+
+A decode step of a Llama-family model is a few hundred short kernels (per layer: two norms,
+four linears, rotary, attention, silu * up). Reached one by one from Python, each costs an
+nn.Module call, argument checks, a tensor allocation and a ctypes call: about 6 ms a token on
+SmolLM2-135M, as long as the kernels themselves on two cores. `FusedLayers` describes every
+layer's weights to C once (at load), and each step that qualifies runs all layers in one call
+on the same kernels in the same order: the hidden states are bit for bit the modules' own
+(tests/test_fused_layers.py holds them to it).
+
+A model qualifies when every layer is the plain Llama layer (Llama, Mistral, Qwen2: no
+per-head q/k norm) on our C kernels: RMSNorm, rotary and silu * up in C, the "cpu" attention
+backend on a float32 or bfloat16 cache, and every linear a CpuLinear (float32 or bfloat16
+panels) or a QuantLinear (GGUF blocks); no tensor parallelism. A step qualifies when its
+activations are float32, every attention row is the kernel's (no chunk long enough for SDPA)
+and, with GGUF blocks, it has fewer than GEMM_ROWS tokens (longer ones dequantize into a
+float32 GEMM). Anything else runs the modules, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from conveyor.model.attention.cpu_attention import CpuAttentionBackend, _CpuPlan, _make_plan
+from conveyor.model.attention.torch_attention import step_plan
+from conveyor.model.cpu.linear import CpuLinear
+from conveyor.model.cpu.quant_linear import _Q8A_BYTES, BLOCK, GEMM_ROWS, QuantLinear
+from conveyor.model.models.layers import GatedMLP, RMSNorm
+
+if TYPE_CHECKING:
+    from conveyor.model.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+_MAX_PARTS = 4  # csrc/decoder_layers.c's MAX_PARTS
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("kind", _I32),
+        ("parts", _I32),
+        ("n", _I64),
+        ("k", _I64),
+        ("panels", _P),
+        ("bias", _P),
+        ("qtype", _I32 * _MAX_PARTS),
+        ("w", _P * _MAX_PARTS),
+        ("ldw", _I64 * _MAX_PARTS),
+        ("rows", _I64 * _MAX_PARTS),
+        ("start", _I64 * _MAX_PARTS),
+        ("qbias", _P * _MAX_PARTS),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("in_norm", _P),
+        ("post_norm", _P),
+        ("in_eps", _F32),
+        ("post_eps", _F32),
+        ("rows_set", _I32),
+        ("k_cache", _P),
+        ("v_cache", _P),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+    ]
+
+
+class _Rows(ctypes.Structure):
+    _fields_ = [
+        ("block_tables", _P),
+        ("bt_stride", _I64),
+        ("key_begin", _P),
+        ("key_end", _P),
+        ("rows", _P),
+        ("batch", _P),
+        ("n", _I64),
+        ("max_keys", _I32),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("t", _I64),
+        ("hidden", _I32),
+        ("hq", _I32),
+        ("hkv", _I32),
+        ("d", _I32),
+        ("inter", _I32),
+        ("block_size", _I32),
+        ("kv_bf16", _I32),
+        ("passes", _I32),
+        ("num_threads", _I32),
+        ("scale", _F32),
+        ("positions", _P),
+        ("cos_sin", _P),
+        ("slots", _P),
+        ("num_slots", _I64),
+    ]
+
+
+def _describe_linear(module: nn.Module) -> _Linear | None:
+    """The C description of a CpuLinear or QuantLinear; None for any other linear."""
+    if not isinstance(module, CpuLinear | QuantLinear):
+        return None
+    d = _Linear()
+    d.n, d.k = module.out_features, module.in_features
+    if isinstance(module, CpuLinear):
+        packed = module.packed_weight
+        if packed.dtype not in (torch.float32, torch.bfloat16) or not packed.is_contiguous():
+            return None
+        bias = module.bias
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            return None
+        d.kind = 0 if packed.dtype == torch.float32 else 1
+        d.panels = packed.data_ptr()
+        d.bias = None if bias is None else bias.data_ptr()
+        return d
+    launches = module._launches()  # a QuantLinear: its pieces
+    if len(launches) > _MAX_PARTS:
+        return None
+    d.kind, d.parts = 2, len(launches)
+    for i, (type_id, w, ldw, n, bias, start) in enumerate(launches):
+        d.qtype[i], d.w[i], d.ldw[i], d.rows[i], d.qbias[i] = type_id, w, ldw, n, bias
+        d.start[i] = start
+    return d
+
+
+def _plain_norm(norm: nn.Module) -> bool:
+    return (
+        type(norm) is RMSNorm
+        and norm.kernels is not None
+        and norm.weight.dtype == torch.float32
+        and norm.weight.is_contiguous()
+    )
+
+
+class FusedLayers:
+    """A model's decoder layers described to csrc/decoder_layers.c (see the module
+    docstring); `build` makes one for a model that qualifies."""
+
+    def __init__(self, model: nn.Module, kernels: Any, layers: Any, windows: list) -> None:
+        cfg = model.kv_config
+        self.model = model  # keeps every weight the descriptors point at alive
+        self.kernels = kernels
+        self._call = kernels.fns["conveyor_decoder_layers"]
+        self._layers = layers  # ctypes array of _Layer
+        self._windows = windows  # the distinct sliding windows, in rows_set order
+        self._n = len(layers)
+        self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        rope = model.model.rotary_emb
+        self._cos_sin = rope.cos_sin_cache
+        self._max_position = self._cos_sin.shape[0]
+        quant = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)]
+        self._quantized = bool(quant)
+        self._passes_of = quant[0] if quant else None
+        self._widest_k = max(cfg.hidden_size, cfg.intermediate_size, self.hq * self.d)
+        self._caches_of: tuple[int, int] | None = None  # (id, first pointer) described
+        self._kv_bf16 = 0
+        self._block_size = 0
+        self._num_slots = 0
+
+    @classmethod
+    def build(cls, model: nn.Module, kernels: Any) -> FusedLayers | None:
+        """The fused layers of `model`, or None (logged at debug) when it does not qualify."""
+        why = _why_not(model, kernels)
+        if why:
+            logger.debug("Decoder layers run module by module: %s.", why)
+            return None
+        layers = model.model.layers
+        windows: list = []
+        descs = (_Layer * len(layers))()
+        for desc, layer in zip(descs, layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [_describe_linear(m) for m in (attn.qkv_proj, attn.o_proj,
+                                                     mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
+            if any(x is None for x in linears):
+                logger.debug("Decoder layers run module by module: a linear C cannot run.")
+                return None
+            desc.qkv, desc.o, desc.gate_up, desc.down = linears
+            desc.in_norm = layer.input_layernorm.weight.data_ptr()
+            desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            desc.in_eps = layer.input_layernorm.eps
+            desc.post_eps = layer.post_attention_layernorm.eps
+            if attn.window not in windows:
+                windows.append(attn.window)
+            desc.rows_set = windows.index(attn.window)
+        return cls(model, kernels, descs, windows)
+
+    def _describe_caches(self, kv_caches: list) -> bool:
+        """Point each layer at its cache; False when one is not a float32 or bfloat16 tensor
+        the kernel reads."""
+        first = kv_caches[0]
+        key = (id(kv_caches), first.data_ptr() if isinstance(first, torch.Tensor) else 0)
+        if key == self._caches_of:
+            return True
+        dtypes = set()
+        for desc, cache in zip(self._layers, kv_caches, strict=True):
+            if not isinstance(cache, torch.Tensor) or not cache.is_contiguous():
+                return False
+            dtypes.add(cache.dtype)
+            desc.k_cache = cache.data_ptr()
+            desc.v_cache = cache.data_ptr() + cache.element_size() * cache.stride(0)
+        if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16}:
+            return False
+        self._kv_bf16 = int(dtypes.pop() == torch.bfloat16)
+        self._block_size = first.shape[2]
+        self._num_slots = first.shape[1] * first.shape[2]
+        self._caches_of = key
+        return True
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Run every layer on the embeddings x [T, hidden] (they become the residual stream,
+        in place, as the modules use them): (last layer's output, residual), or None when
+        this step does not qualify (the caller runs the modules)."""
+        t = x.shape[0]
+        if (
+            t == 0
+            or (self._quantized and t >= GEMM_ROWS)
+            or x.dtype != torch.float32
+            or x.dim() != 2
+            or not x.is_contiguous()
+            or meta.max_seq_len > self._max_position
+            or positions.dtype != torch.int64
+            or not positions.is_contiguous()
+            or meta.slot_mapping.numel() != t
+            or not self._describe_caches(kv_caches)
+        ):
+            return None
+        row_sets = (_Rows * len(self._windows))()
+        plans = []
+        for rs, window in zip(row_sets, self._windows, strict=True):
+            plan = step_plan(
+                meta,
+                window,
+                _CpuPlan,
+                lambda w=window: _make_plan(meta, self._block_size, x.dtype, w, self.kernels),
+            )
+            if plan.chunks:  # a chunk long enough for SDPA: the modules run this step
+                return None
+            plans.append(plan)
+            rows = plan.kernel_rows
+            (rs.block_tables, rs.bt_stride, rs.key_begin, rs.key_end, rs.rows, rs.batch,
+             rs.n) = rows.args  # fmt: skip
+            rs.max_keys = rows.max_keys
+        hidden, inter, hq, hkv, d = self.hidden, self.inter, self.hq, self.hkv, self.d
+        sizes = [t * hidden, t * (hq + 2 * hkv) * d, t * hq * d, t * 2 * inter, t * inter]
+        scratch = torch.empty(sum(sizes), dtype=torch.float32)
+        o, qkv, attn, gate_up, act = (p.data_ptr() for p in scratch.split(sizes))
+        passes = self._passes_of.passes if self._passes_of is not None else 1
+        xq = torch.empty(passes * t * (self._widest_k // BLOCK) * _Q8A_BYTES, dtype=torch.uint8)
+        out = torch.empty(t, hidden, dtype=torch.float32)
+        slots = meta.slot_mapping
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            return None
+        step = _Step(
+            t, hidden, hq, hkv, d, inter, self._block_size, self._kv_bf16, passes,
+            torch.get_num_threads(), self.model.model.layers[0].self_attn.scale,
+            positions.data_ptr(), self._cos_sin.data_ptr(), slots.data_ptr(), self._num_slots,
+        )  # fmt: skip
+        failed = self._call(
+            self._layers, self._n, row_sets, ctypes.byref(step), out.data_ptr(),
+            x.data_ptr(), o, qkv, attn, gate_up, act, xq.data_ptr(),
+        )  # fmt: skip
+        if failed:
+            _raise(failed, self._num_slots, plans)
+        return out, x
+
+
+def _raise(failed: int, num_slots: int, plans: list) -> None:
+    layer, code = failed >> 8, failed & 0xFF
+    if code & 1:
+        raise ValueError(f"layer {layer}: the quantized kernel does not handle a weight's type.")
+    bits = code >> 1
+    if bits & 4:
+        raise ValueError(f"a new token's cache slot is outside [0, {num_slots}).")
+    if bits & 2:
+        most = max(p.kernel_rows.max_keys for p in plans)
+        raise ValueError(f"a row's key range is empty, negative or longer than {most}.")
+    raise MemoryError("paged_attention could not allocate its work buffers.")
+
+
+def _why_not(model: nn.Module, kernels: Any) -> str:
+    """Why `model` cannot run its layers in one call ("" when it can)."""
+    from conveyor.model.models.llama import LlamaAttention, LlamaDecoderLayer
+
+    if kernels is None or "conveyor_decoder_layers" not in kernels.fns:
+        return "no C kernels"
+    if getattr(model, "tp", None) is not None:
+        return "tensor parallel"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers or getattr(inner.rotary_emb, "kernels", None) is None:
+        return "not a Llama-family model on the C kernels"
+    rope = inner.rotary_emb.cos_sin_cache
+    if rope.dtype != torch.float32 or not rope.is_contiguous() or rope.dim() != 2:
+        return "the rotary table is not float32"
+    passes = {m.passes for m in layers.modules() if isinstance(m, QuantLinear)}
+    if len(passes) > 1:
+        return "the quantized linears differ in activation passes"
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        mlp = getattr(layer, "mlp", None)
+        if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
+            return "a layer is not the plain Llama layer"
+        if layer.tp is not None or attn.q_norm is not None:
+            return "tensor parallel or per-head q/k norms"
+        if type(attn.backend) is not CpuAttentionBackend or attn.backend._kernels is None:
+            return "the attention backend is not the C kernel"
+        if type(mlp) is not GatedMLP or mlp.kernels is None:
+            return "the MLP is not on the C kernels"
+        if not (_plain_norm(layer.input_layernorm) and _plain_norm(layer.post_attention_layernorm)):
+            return "a norm is not on the C kernels"
+    return ""

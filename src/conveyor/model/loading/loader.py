@@ -1,0 +1,401 @@
+"""Load an HF checkpoint directory (config.json + *.safetensors) into our modules.
+
+The class comes from `config.json["architectures"][0]` through `MODEL_REGISTRY`; a new family
+is one module plus registry lines. The model is built on the meta device (no random init),
+then every parameter is assigned from the checkpoint, converted to the target dtype/device:
+
+    HF name                                   ours
+    model.layers.N.self_attn.{q,k,v}_proj.*   model.layers.N.self_attn.qkv_proj.*  (cat dim 0)
+    model.layers.N.mlp.{gate,up}_proj.*       model.layers.N.mlp.gate_up_proj.*    (cat dim 0)
+    lm_head.weight                            lm_head.weight, or absent when tied
+    layers.N... / embed_tokens.* / norm.*     model.layers.N... (a bare decoder saved without
+                                              its head, e.g. `LlamaModel` / `Qwen3Model`, as
+                                              embedding checkpoints such as Qwen3-Embedding are)
+    everything else                           same name
+
+A GGUF file (model/loading/gguf_loader.py) goes through the same path: its metadata becomes the
+config dict and its tensors, renamed to HF names, the tensor stream. They are dequantized, or
+with `keep_quantized` a weight of a type in quant_linear.QUANT_TYPES (Q8_0, Q4_0, Q4_1, Q4_K,
+Q5_K, Q6_K) arrives as a QuantTensor and its module is replaced by a QuantLinear /
+QuantEmbedding holding the file's blocks (model/cpu/quant_linear.py);
+a tied head then shares the embedding's blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from conveyor.engine.config import DTYPES
+from conveyor.model.attention import get_attention_backend
+from conveyor.model.cpu import cpu_build, cpu_kernels
+from conveyor.model.cpu.quant_linear import (
+    QUANT_TYPES,
+    QuantEmbedding,
+    QuantTensor,
+    quantized_module,
+)
+from conveyor.model.loading.checkpoint import find_gguf_file, read_config_json
+from conveyor.model.loading.gguf_loader import (
+    iter_gguf_tensors,
+    open_gguf,
+    read_gguf_config,
+    release_gguf,
+)
+from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_tensors
+from conveyor.model.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    ModelConfig,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+from conveyor.parallel.sharding import Shard
+
+logger = logging.getLogger(__name__)
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # The bare decoders (no head): embedding checkpoints saved from AutoModel.
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": MistralForCausalLM,
+    "Qwen2Model": Qwen2ForCausalLM,
+    "Qwen3Model": Qwen3ForCausalLM,
+}
+
+# The one name -> dtype table: EngineConfig's dtype names, "auto" aside (resolve_dtype).
+_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in DTYPES if n != "auto"}
+# Buffers some older checkpoints saved; we recompute them.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a checkpoint directory, or the config dict of a GGUF file
+    (ValueError naming the file if it is missing, not valid JSON or an unsupported GGUF)."""
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return read_gguf_config(gguf_file)
+    return read_config_json(path)
+
+
+def resolve_model_class(hf_config: dict[str, Any]) -> type[LlamaForCausalLM]:
+    """The registered class for the checkpoint's first architecture (ValueError if none)."""
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"Unsupported architecture {archs or None}; supported: {', '.join(MODEL_REGISTRY)}."
+    )
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 pairs natively (AVX512-BF16 or AMX-BF16)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_build.cpu_flags())
+
+
+def resolve_dtype(
+    dtype: torch.dtype | str, device: torch.device, hf_config: dict[str, Any] | None = None
+) -> torch.dtype:
+    """A torch dtype from a dtype or one of `DTYPES`' names.
+
+    "auto" on CPU: bfloat16 for a bfloat16 checkpoint (`hf_config`'s dtype) where the CPU
+    has native bf16 dot products (AVX512-BF16 or AMX-BF16, cpu_has_native_bf16), as vLLM-CPU
+    does; float32 otherwise: for other checkpoints (quantized GGUF files included) and on
+    CPUs without them, and "float32" keeps exact parity anywhere ("bfloat16" selects the CPU
+    bf16 path on any CPU: linear.py). On CUDA it follows the checkpoint when that is float16
+    or bfloat16, and is bfloat16 for a float32 checkpoint, one that names no dtype, or no
+    `hf_config`. Other devices: float32.
+
+    Args:
+        dtype: a torch dtype (returned as is), "auto", "float32", "float16" or "bfloat16".
+        device: the device the model runs on.
+        hf_config: the checkpoint's config.json, to make "auto" follow the checkpoint.
+    Returns:
+        the dtype.
+    Raises:
+        ValueError: an unknown name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        name = (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype")
+        if device.type == "cpu":
+            native = name == "bfloat16" and cpu_has_native_bf16()
+            return torch.bfloat16 if native else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return _DTYPES[name] if name in ("float16", "bfloat16") else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(f"No model.safetensors or model.safetensors.index.json in {path}.")
+
+
+def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, MappedTensor]]:
+    """(name, tensor as a view of the file's memory map) for every tensor in the given
+    safetensors files, with a progress bar over the shards when there are several."""
+    bar = tqdm(files, desc="Loading safetensors shards", unit="shard", disable=len(files) < 2)
+    for file in bar:
+        yield from iter_mapped_tensors(file)
+
+
+def _checkpoint_names(files: list[Path]) -> set[str]:
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    attention_backend: str = "auto",
+    tp: Any = None,
+    keep_quantized: bool = False,
+    linear_dtype: torch.dtype | None = None,
+) -> LlamaForCausalLM:
+    """Load a checkpoint directory into our model, in eval mode on device/dtype.
+
+    Args:
+        path: HF checkpoint directory (config.json + safetensors), a GGUF file, or a folder
+            holding one GGUF file.
+        dtype: torch dtype or "auto" / "float32" / "float16" / "bfloat16" ("auto": float32
+            on CPU; on CUDA the checkpoint's half-precision dtype, else bfloat16; see
+            resolve_dtype).
+        device: torch device or name ("auto": cuda when available, else cpu).
+        attention_backend: name for get_attention_backend ("auto", "torch", "triton").
+        tp: a tensor-parallel rank's TPGroup: the model gets that rank's slices only
+            (conveyor.parallel.sharding), each read as a narrow view of the file.
+        keep_quantized: a GGUF file's weights of QUANT_TYPES stay in their blocks (CPU
+            float32 with the C kernels only; elsewhere everything is dequantized).
+        linear_dtype: the dtype of the linears' and the embedding's weights when it differs
+            from `dtype`, the dtype of everything else and of the activations (the CPU
+            bfloat16 path: bf16 weights, packed by linear.CpuLinear, under float32
+            activations). None: `dtype`.
+    Returns:
+        the model; callers run it under torch.inference_mode().
+    Raises:
+        ValueError: unknown architecture, unsupported config, missing/unexpected/misshaped
+            weights.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    hf_config = read_hf_config(path)
+    cls = resolve_model_class(hf_config)
+    dtype = resolve_dtype(dtype, device, hf_config)
+    config = ModelConfig.from_hf_config(hf_config)
+    gguf_file = find_gguf_file(path)
+    shard = None if tp is None else Shard.of(config, tp.rank, tp.size)
+    if gguf_file is not None and shard is not None:
+        raise ValueError(
+            "tensor_parallel_size > 1 is not supported for GGUF models; use an HF safetensors "
+            "checkpoint, or tensor_parallel_size 1."
+        )
+    kernels = None
+    if gguf_file is not None:
+        if keep_quantized and device.type == "cpu" and dtype == torch.float32:
+            # (a bf16 linear_dtype changes only the weights that are not kept quantized)
+            kernels = cpu_kernels.load()
+        tensors = iter_gguf_tensors(gguf_file, hf_config, keep_quantized=kernels is not None)
+    else:
+        files = checkpoint_files(path)
+        # Tied when the config says so, or when the checkpoint simply has no lm_head.
+        config.tie_word_embeddings = (
+            config.tie_word_embeddings or "lm_head.weight" not in _checkpoint_names(files)
+        )
+        tensors = iter_checkpoint_tensors(files)
+    backend = get_attention_backend(attention_backend, device)
+    with torch.device("meta"):
+        model = cls(config, backend, tp=tp, shard=shard)
+    try:
+        if gguf_file is not None:
+            _log_gguf_paths(gguf_file, kernels is not None)
+        _assign_weights(model, tensors, dtype, device, shard, kernels, linear_dtype)
+    finally:
+        if gguf_file is not None:
+            release_gguf()
+    embed = model.model.embed_tokens
+    if model.lm_head is None and isinstance(embed, QuantEmbedding):
+        model.lm_head = embed.as_linear()  # tied: the head reads the embedding's blocks
+    # Parameters are already in place; this moves the buffers (the rope table) along.
+    if linear_dtype in (None, dtype):
+        model = model.to(device=device, dtype=dtype)
+    else:
+        model = model.to(device=device)
+        for buf in model.buffers():  # the rope table, in `dtype`
+            if buf.is_floating_point():
+                buf.data = buf.data.to(dtype)
+    return model.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each storage once: a tied head counts once)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_mkldnn:  # oneDNN's packed weight has no storage to read: its elements
+            seen[id(t)] = t.numel() * t.element_size()
+            continue
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _log_gguf_paths(file: Path, keep_quantized: bool) -> None:
+    """One line: each tensor type of the file and the path it takes."""
+    counts = Counter(t.tensor_type.name for t in open_gguf(file).tensors if len(t.shape) == 2)
+    paths = [
+        f"{n} x {qtype}: "
+        + ("kept quantized (C kernels)" if keep_quantized and qtype in QUANT_TYPES else
+           "dequantized to the compute dtype")
+        for qtype, n in sorted(counts.items())
+    ]  # fmt: skip
+    logger.info("GGUF weights (2-D tensors): %s.", "; ".join(paths))
+
+
+def _assign_weights(
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, torch.Tensor | MappedTensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard | None = None,
+    kernels: Any = None,
+    linear_dtype: torch.dtype | None = None,
+) -> None:
+    """Map HF names to ours, concatenate packed shards and assign every parameter (only
+    `shard`'s slice of each, when given), those of linears and embeddings in `linear_dtype`
+    (None: `dtype`). A weight whose pieces are all QuantTensors replaces
+    its module by a quantized one (with `kernels`); a piece mixed with float ones is
+    dequantized.
+
+    A MappedTensor used as is becomes the parameter (the file's pages are its memory); one
+    that was copied (converted, moved or concatenated) is released right after, so the
+    weights are in memory about once during the load."""
+    expected = dict(model.named_parameters())
+    packed = model.PACKED_MODULES
+    shard_counts: dict[str, int] = {}
+    for fused, index in packed.values():
+        shard_counts[fused] = max(shard_counts.get(fused, 0), index + 1)
+    pending: dict[str, dict[int, tuple[str, Any]]] = {}  # fused name -> (HF name, piece)
+    unexpected: list[str] = []
+    loaded: set[str] = set()
+    for name, item in tensors:
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
+            continue
+        if not name.startswith(("model.", "lm_head.")):  # a bare decoder's names
+            name = f"model.{name}"
+        parts = name.split(".")
+        sources = [(name, item)]
+        if len(parts) >= 2 and parts[-2] in packed:
+            fused, index = packed[parts[-2]]
+            ours = ".".join([*parts[:-2], fused, parts[-1]])
+            pieces = pending.setdefault(ours, {})
+            pieces[index] = (name, item)
+            if len(pieces) < shard_counts[fused]:
+                continue
+            sources = [pieces[i] for i in range(shard_counts[fused])]
+            del pending[ours]
+            name = ours
+        if name not in expected:
+            unexpected.append(name)
+            continue
+        views = [s.tensor if isinstance(s, MappedTensor) else s for _, s in sources]
+        if any(isinstance(v, QuantTensor) for v in views):
+            if kernels is not None and all(isinstance(v, QuantTensor) for v in views):
+                _set_quantized(model, name, views, kernels)
+                loaded.add(name)
+                continue
+            views = [v.dequantize() if isinstance(v, QuantTensor) else v for v in views]
+        if shard is not None:
+            views = [shard.slice(n, v) for (n, _), v in zip(sources, views, strict=True)]
+        owner = model.get_submodule(name.rpartition(".")[0])
+        weights = isinstance(owner, (nn.Linear, nn.Embedding))
+        as_dtype = (linear_dtype or dtype) if weights else dtype
+        tensor = views[0] if len(views) == 1 else _cat_as(views, as_dtype, device)
+        value = _set_parameter(model, name, expected[name], tensor, as_dtype, device)
+        for (_, source), view in zip(sources, views, strict=True):
+            if isinstance(source, MappedTensor) and value.data_ptr() != view.data_ptr():
+                source.release()
+        loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if pending:
+        missing += [f"{n} (only shards {sorted(p)} found)" for n, p in pending.items()]
+    if missing or unexpected:
+        raise ValueError(
+            f"Checkpoint does not match {type(model).__name__}: missing weights "
+            f"{missing or 'none'}; unexpected weights {sorted(unexpected) or 'none'}."
+        )
+
+
+def _set_parameter(
+    model: nn.Module,
+    name: str,
+    placeholder: nn.Parameter,
+    tensor: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    if tuple(tensor.shape) != tuple(placeholder.shape):
+        raise ValueError(
+            f"Weight {name} has shape {tuple(tensor.shape)}, expected {tuple(placeholder.shape)}."
+        )
+    module_name, _, leaf = name.rpartition(".")
+    value = tensor.to(device=device, dtype=dtype).contiguous()
+    setattr(model.get_submodule(module_name), leaf, nn.Parameter(value, requires_grad=False))
+    return value
+
+
+def _set_quantized(model: nn.Module, name: str, parts: list[QuantTensor], kernels: Any) -> None:
+    """Replace the module owning weight `name` by its quantized stand-in holding `parts`."""
+    module_name, _, leaf = name.rpartition(".")
+    if leaf != "weight":
+        raise ValueError(f"Weight {name} is quantized, but only weights of linears can be.")
+    parent_name, _, child = module_name.rpartition(".")
+    try:
+        replacement = quantized_module(model.get_submodule(module_name), parts, kernels)
+    except ValueError as exc:
+        raise ValueError(f"Weight {name}: {exc}") from None
+    setattr(model.get_submodule(parent_name), child, replacement)
+
+
+def _cat_as(pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The pieces of a fused weight concatenated straight into the target dtype and device,
+    without an intermediate copy in the file's dtype."""
+    rows = sum(p.shape[0] for p in pieces)
+    out = torch.empty((rows, *pieces[0].shape[1:]), dtype=dtype, device=device)
+    start = 0
+    for p in pieces:
+        if tuple(p.shape[1:]) != tuple(out.shape[1:]):
+            raise ValueError(
+                f"Packed weight pieces have shapes {[tuple(x.shape) for x in pieces]}, which "
+                "cannot be concatenated."
+            )
+        out[start : start + p.shape[0]].copy_(p)
+        start += p.shape[0]
+    return out
