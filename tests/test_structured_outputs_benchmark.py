@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "structured/params.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "structured_outputs.py"
 _SPEC = importlib.util.spec_from_file_location("bench_structured_outputs", _PATH)
 structured_outputs = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(structured_outputs)

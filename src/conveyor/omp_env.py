@@ -4,11 +4,10 @@ torch's CPU kernels (and ours in model/cpu/csrc, built with -fopenmp into torch'
 run in OpenMP parallel regions. Between regions libgomp's idle threads spin, by default
 300000 times (a few ms) before they sleep. A decode step is hundreds of short regions, so on
 a machine whose cores other processes also want, the spinning threads burn the time slices
-the working thread needs: offline LLM.generate fell to 1.8-4.6 tok/s on SmolLM2 with two
-other jobs running, 12-17 tok/s with OMP_WAIT_POLICY=PASSIVE. PASSIVE (sleep at once) costs
-a wake-up per region on a quiet machine (about 0.5x libgomp's tok/s on 2 cores); a spin of
-GOMP_SPINCOUNT=10000 (~0.1 ms) keeps quiet-machine speed (0.9-1.1x) and, with two other
-jobs on the cores, 4-9x libgomp's default (benchmarks/omp_wait.py measures all of them).
+the working thread needs. PASSIVE (sleep at once) costs a wake-up per region on a quiet
+machine; a short spin, GOMP_SPINCOUNT=10000 (~0.1 ms), keeps quiet-machine speed and gives the
+cores back when other jobs want them (benchmarks/omp_wait.py measures all of them;
+docs/benchmarks.md has the numbers).
 
 libgomp reads the variables once, when it loads (with `import torch`), so this runs when the
 `conveyor` package is imported: before torch if the user's script imports conveyor first,

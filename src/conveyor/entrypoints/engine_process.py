@@ -23,9 +23,9 @@ beats, and a live engine that makes no step with work in flight is hung, not kil
 
 Why a process: the HTTP side (parsing, SSE encoding, socket writes) and the engine's Python
 between torch ops share one GIL in one process. Every burst of streaming work after a step then
-stalls the engine until the burst ends; measured on 2 cores, a thread using a fifth of a core
-slows LLM.generate by 20-25%, the same load in another process by about 12%. vLLM runs its
-engine core in its own process for the same reason.
+stalls the engine until the burst ends, which the same load in another process does about
+half as much (docs/kernels.md#measured-choices). vLLM runs its engine core in its own process
+for the same reason.
 
 The child ignores SIGINT and SIGTERM: the server process decides when it stops (a terminal's
 Ctrl-C or systemd's SIGTERM reach the whole process group, and the engine must keep serving

@@ -25,9 +25,9 @@ Reports, engine to server (the outbox pipe):
     ("beat",)                           every second from its own thread: the process lives
     ("stopped",)                        the last report, after "stop"
 
-Outputs cross as plain tuples: pickling the slotted dataclasses costs ~0.55 ms per step of
-64 outputs in the engine's thread (and ~0.35 ms to unpickle), tuples ~0.03 ms. The prompt
-stays behind: AsyncLLM puts its own copy back into each output.
+Outputs cross as plain tuples: pickling the slotted dataclasses costs the engine's thread
+about twenty times as much per step (docs/kernels.md#measured-choices). The prompt stays
+behind: AsyncLLM puts its own copy back into each output.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@
 
 Why compile in the engine process's own threads rather than in the server's pool: a compiled
 grammar is tied to its TokenizerInfo and would have to be serialised across the process pipe
-(measured: 45 MB and 3 s to serialise a 400-property schema that compiled in 0.09 s);
+(tens of MB and seconds for a large schema that compiles in a tenth of a second:
+docs/kernels.md#measured-choices);
 compiling where it is used keeps the pipe carrying only the spec. xgrammar releases the GIL
 while it compiles, so the engine step runs on meanwhile. xgrammar is imported on first use
 (about 1 s): engines that never see a constraint skip it.

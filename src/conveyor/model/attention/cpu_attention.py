@@ -30,8 +30,8 @@ from conveyor.model.cpu import cpu_kernels
 from conveyor.model.cpu.cpu_kernels import AttentionRows, CpuKernels
 from conveyor.model.kv_cache import KVCache, QuantizedKVCache
 
-# Chunks of at least this many new tokens go to SDPA. Measured (9 / 3 heads, d 64, one fresh
-# chunk, 2 threads): the kernel is ~1.4x faster at 128 tokens, even at 512, ~2x slower at 2048.
+# Chunks of at least this many new tokens go to SDPA, whose blocked matrix products win once a
+# chunk is long; below it the C kernel is faster (docs/kernels.md#measured-choices).
 SDPA_MIN_CHUNK = 512
 
 

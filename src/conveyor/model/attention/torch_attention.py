@@ -60,7 +60,7 @@ class _TorchPlan:
 
 
 # Cost of one extra decode group, in "one row x one block" units of gather + attention work
-# (measured on CPU: a group's fixed cost is about that of 20 padded row-blocks).
+# (a group's fixed cost, measured on CPU: docs/kernels.md#measured-choices).
 _GROUP_OVERHEAD = 20
 
 
@@ -278,7 +278,7 @@ def _decode(q: torch.Tensor, kv_cache: KVCache, group: _DecodeGroup, scale: floa
 
     GQA without expanding K/V: the G query heads that share a KV head become G query rows of
     it (q [Bd, Hkv, G, D] against k, v [Bd, Hkv, L, D]); the same maths as SDPA's
-    enable_gqa, measured about 3x faster on CPU at a decode step's shapes.
+    enable_gqa, faster on CPU at a decode step's shapes (docs/kernels.md#measured-choices).
     """
     bd, hq, d = q.shape
     k, v = gather_kv(kv_cache, group.block_ids, q.dtype)  # [Bd * L, Hkv, D] each

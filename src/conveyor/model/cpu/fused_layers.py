@@ -2,11 +2,11 @@
 
 A decode step of a Llama-family model is a few hundred short kernels (per layer: two norms,
 four linears, rotary, attention, silu * up). Reached one by one from Python, each costs an
-nn.Module call, argument checks, a tensor allocation and a ctypes call: about 6 ms a token on
-SmolLM2-135M, as long as the kernels themselves on two cores. `FusedLayers` describes every
-layer's weights to C once (at load), and each step that qualifies runs all layers in one call
-on the same kernels in the same order: the hidden states are bit for bit the modules' own
-(tests/test_fused_layers.py holds them to it).
+nn.Module call, argument checks, a tensor allocation and a ctypes call, which on a small model
+adds up to as long as the kernels themselves (docs/kernels.md#measured-choices).
+`FusedLayers` describes every layer's weights to C once (at load), and each step that
+qualifies runs all layers in one call on the same kernels in the same order: the hidden states
+are bit for bit the modules' own (tests/test_fused_layers.py holds them to it).
 
 A model qualifies when every layer is the plain Llama layer (Llama, Mistral, Qwen2: no
 per-head q/k norm) on our C kernels: RMSNorm, rotary and silu * up in C, the "cpu" attention

@@ -3,9 +3,9 @@
  * sampler calls on every step's logits (greedy rows, and the exponential race of random
  * ones). A NaN counts as larger than any number and the first NaN wins, as in torch.
  *
- * Why C: torch's CPU argmax is a scalar loop, about 0.9 G elements/s on our 2-core box
- * (16 x 151936 logits, Qwen's vocabulary: 2.6 ms a step, more than some layers); this loop
- * keeps eight running maxima with their indices in AVX2 registers and is memory-bound.
+ * Why C: torch's CPU argmax is a scalar loop, slower on a large vocabulary than some layers
+ * (docs/kernels.md#measured-choices); this loop keeps eight running maxima with their indices
+ * in AVX2 registers and is memory-bound.
  *
  * Lane j sees the elements j, j + 8, j + 16, ... in order and keeps the first index of its
  * maximum (a strictly-greater compare); the lanes' results are then merged by value, the

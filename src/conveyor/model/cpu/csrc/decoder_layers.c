@@ -5,8 +5,8 @@
  *
  * What it saves is the Python between the kernels: a decode step of a 30-layer model makes
  * about 300 kernel calls, each reached through an nn.Module call, argument checks, a tensor
- * allocation and a ctypes call (about 20 us a kernel, 6 ms a step on SmolLM2-135M, as much
- * as its weights take to read). model/cpu/fused_layers.py builds the per-layer descriptors once
+ * allocation and a ctypes call: on a small model as much as its weights take to read
+ * (docs/kernels.md#measured-choices). model/cpu/fused_layers.py builds the per-layer descriptors once
  * and calls this once a step when the step qualifies (float32 activations, no tensor
  * parallelism, every attention row on the C kernel, fewer than GEMM_ROWS rows for GGUF
  * blocks); anything else runs the modules.

@@ -31,7 +31,8 @@
 #include <string.h>
 
 /* Rows read ahead: each task's K/V rows are 1 / Hkv of a token's cache line run and hop
- * between blocks, which the hardware prefetchers follow poorly (measured ~5-10 % faster). */
+ * between blocks, which the hardware prefetchers follow poorly
+ * (docs/kernels.md#measured-choices). */
 #define PREFETCH_AHEAD 2
 
 static inline void prefetch_row(const void *row, size_t bytes)

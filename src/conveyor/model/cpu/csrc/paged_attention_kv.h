@@ -140,8 +140,8 @@ static int KV(write_new_kv)(KV_T *k_cache, KV_T *v_cache, const float *new_k, in
  * Work is split over OpenMP threads by (row, KV head) tasks. With at least two rows a thread,
  * a thread takes all of a row's KV heads in turn, so it reads each token's whole cache row
  * (Hkv x D contiguous floats) rather than a quarter of it at a 1 KiB stride while the other
- * thread reads the rest: measured 5-25 % faster once the cache is out of L3 (the in-situ
- * case, where each layer's weights stream through between two attention calls). With fewer
+ * thread reads the rest: faster once the cache is out of L3 (the in-situ case, where each
+ * layer's weights stream through between two attention calls; docs/kernels.md#measured-choices). With fewer
  * rows than threads the heads are split, so a lone decode still uses every thread. */
 int KV(conveyor_paged_attention)(
     const float *q, int64_t q_row_stride,     /* [*, Hq * D]: query row rows[i] */

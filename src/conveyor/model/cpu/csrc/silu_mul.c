@@ -7,8 +7,7 @@
  * e^-|x| <= 1 never overflows; with AVX2 it is vec_math.h's vector e^x (within 1 ulp of
  * expf), so results agree with torch's to fp32 rounding. Rows are split over OpenMP threads
  * only when there is enough work: from 8192 elements, a quarter of RMSNorm's threshold
- * because an element costs an e^x and a division (measured, 2 threads: 16 x 2048 decode rows
- * 33 us on one thread, 20 us on two).
+ * because an element costs an e^x and a division (docs/kernels.md#measured-choices).
  */
 #include <math.h>
 #include <stdint.h>
