@@ -51,7 +51,9 @@
 
 
 
-int64_t quant_k_block_bytes(int qtype)
+/* Bytes per interleaved super-block (static inline: a shared object's exported function may
+ * be interposed, so -fPIC code would call it, not fold the constant, inside the kernels). */
+static inline int64_t k_block_bytes(int qtype)
 {
     switch (qtype) {
     case Q4_K: return 2368;
@@ -60,6 +62,8 @@ int64_t quant_k_block_bytes(int qtype)
     default: return 0;
     }
 }
+
+int64_t quant_k_block_bytes(int qtype) { return k_block_bytes(qtype); }
 
 /* Offsets in an interleaved super-block of sixteen rows; a quad run is 8 x 64 bytes. */
 enum { K_SC = 64, K_MIN = 192, K_QH = 320 };            /* Q4_K / Q5_K (qs at 320, or 832) */
@@ -114,7 +118,7 @@ static void unpack_block(int qtype, const uint8_t *sb, int r, int j, int8_t *q, 
 
 void quant_k_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float *out)
 {
-    const int64_t bytes = quant_k_block_bytes(qtype);
+    const int64_t bytes = k_block_bytes(qtype);
     for (int64_t i = 0; i < k / QK; i++, out += QK) {
         int8_t q[QK];
         float scale[2], mn;
@@ -132,7 +136,7 @@ static inline __attribute__((always_inline)) void
 tile_q45k(const int qtype, const int T, const uint8_t *w, int64_t nsb, const q8a_block *x,
           const q8a_block *x2, int64_t ldx, float *out)
 {
-    const int64_t bytes = quant_k_block_bytes(qtype);
+    const int64_t bytes = k_block_bytes(qtype);
     const __m512i nib = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
     __m512 acc[QT], mins[QT];
     for (int t = 0; t < T; t++) acc[t] = mins[t] = _mm512_setzero_ps();
@@ -218,7 +222,7 @@ q6_quads(const int T, const uint8_t *sb, const uint8_t *ql, const uint8_t *qh, i
     for (int g = g0; g < g0 + 4; g++) {
         const __m512i v = _mm512_loadu_si512(ql + 4 * QG * g);
         const __m512i bits = _mm512_loadu_si512(qh + 4 * QG * g);
-        prefetch_slot(sb, quant_k_block_bytes(Q6_K), 8 * (int)(blk % 8) + g, 64);
+        prefetch_slot(sb, k_block_bytes(Q6_K), 8 * (int)(blk % 8) + g, 64);
         const __m512i low = b < 2 ? v : _mm512_srli_epi16(v, 4);
         /* bits 2b, 2b + 1 of each byte to bits 4, 5 */
         const __m512i hb = b < 2 ? _mm512_slli_epi16(bits, 4 - 2 * b)
@@ -238,7 +242,7 @@ static inline __attribute__((always_inline)) void
 tile_q6k(const int T, const uint8_t *w, int64_t nsb, const q8a_block *x, const q8a_block *x2,
          int64_t ldx, const int32_t *xsum, float *out)
 {
-    const int64_t bytes = quant_k_block_bytes(Q6_K);
+    const int64_t bytes = k_block_bytes(Q6_K);
     const int32_t *xsum2 = xsum + 2 * (x2 - x); /* pass 2's rows follow pass 1's */
     __m512 acc[QT], acc2[QT];
     for (int t = 0; t < T; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
@@ -353,7 +357,7 @@ static inline __attribute__((always_inline)) void
 half_dot_q45k(const int qtype, const uint8_t *w, int hf, int64_t nsb, const q8a_block *x,
               const q8a_block *x2, float *out)
 {
-    const int64_t bytes = quant_k_block_bytes(qtype);
+    const int64_t bytes = k_block_bytes(qtype);
     const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     for (int64_t i = 0; i < nsb; i++, x += 8, x2 = x2 ? x2 + 8 : 0) {
@@ -450,7 +454,7 @@ half_dot_q6k(const uint8_t *w, int hf, int64_t nsb, const q8a_block *x, const q8
 {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t i = 0; i < nsb; i++) {
-        const uint8_t *sb = w + i * quant_k_block_bytes(Q6_K);
+        const uint8_t *sb = w + i * k_block_bytes(Q6_K);
         const __m256 d = halves8(sb + 16 * hf);
         for (int j = 0; j < 8; j++) {
             acc0 = _mm256_add_ps(acc0, q6_block(sb, hf, j / 4, j % 4, x + 8 * i + j, d));
@@ -507,7 +511,7 @@ void quant_k_tile_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *x
                       const q8a_block *x2, int64_t ldx, int rows, const int32_t *xsum,
                       float *out)
 {
-    const int64_t bytes = quant_k_block_bytes(qtype);
+    const int64_t bytes = k_block_bytes(qtype);
     (void)xsum;
     for (int t = 0; t < rows; t++) {
         const q8a_block *xt = x + t * ldx, *yt = x2 ? x2 + t * ldx : 0;

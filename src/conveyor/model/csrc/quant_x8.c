@@ -27,7 +27,9 @@
  */
 #include "quant_blocks.h"
 
-int64_t quant_x8_block_bytes(int qtype)
+/* Bytes per interleaved block (static inline, as quant_k.c's k_block_bytes: constant in
+ * the kernels even in -fPIC code). */
+static inline int64_t x16_block_bytes(int qtype)
 {
     switch (qtype) {
     case Q4_0: return 288;
@@ -36,6 +38,8 @@ int64_t quant_x8_block_bytes(int qtype)
     default: return 0;
     }
 }
+
+int64_t quant_x8_block_bytes(int qtype) { return x16_block_bytes(qtype); }
 
 /* Bytes of scales before the quants. */
 static inline int header_bytes(int qtype) { return qtype == Q4_1 ? 4 * QG : 2 * QG; }
@@ -48,7 +52,7 @@ static inline __attribute__((always_inline)) void
 tile_x16(const int qtype, const int T, const uint8_t *w, int64_t nb, const q8a_block *x,
          const q8a_block *x2, int64_t ldx, const int32_t *xsum, float *out)
 {
-    const int64_t bytes = quant_x8_block_bytes(qtype);
+    const int64_t bytes = x16_block_bytes(qtype);
     const int head = header_bytes(qtype);
     const __m512i nib = _mm512_set1_epi8(15);
     const int32_t *xsum2 = xsum ? xsum + 2 * (x2 - x) : 0;
@@ -211,7 +215,7 @@ static inline __attribute__((always_inline)) void
 half_dot(const int qtype, const uint8_t *w, int hf, int64_t nb, const q8a_block *x,
          const q8a_block *x2, float *out)
 {
-    const int64_t bytes = quant_x8_block_bytes(qtype);
+    const int64_t bytes = x16_block_bytes(qtype);
     const int head = header_bytes(qtype);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -275,7 +279,7 @@ void quant_x8_tile_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *
                        const q8a_block *x2, int64_t ldx, int rows, const int32_t *xsum,
                        float *out)
 {
-    const int64_t bytes = quant_x8_block_bytes(qtype), nb = k / QK;
+    const int64_t bytes = x16_block_bytes(qtype), nb = k / QK;
     const int head = header_bytes(qtype);
     (void)xsum;
     for (int t = 0; t < rows; t++) {
@@ -315,7 +319,7 @@ void quant_x8_tile_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *
 
 void quant_x8_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float *out)
 {
-    const int64_t bytes = quant_x8_block_bytes(qtype);
+    const int64_t bytes = x16_block_bytes(qtype);
     const int head = header_bytes(qtype);
     for (int64_t b = 0; b < k / QK; b++, out += QK) {
         const uint8_t *p = w + b * bytes, *q = p + head;
