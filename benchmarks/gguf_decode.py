@@ -14,14 +14,31 @@ count (1: llama.cpp's arithmetic, 2: the default), after a warm-up, each repeat 
 Threads: torch's (set OMP_NUM_THREADS, or --threads).
 
     python benchmarks/gguf_decode.py --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 1
+
+--kernels (no model file): one decoder layer's quantized linears (qkv, o, gate_up, down at
+--shape's hidden, intermediate and kv widths; default TinyLlama-1.1B's 2048 5632 256) in each
+--types type on random blocks, timed at each --rows count of activation rows (a decode step of
+that many sequences), against the same layer's float32 GEMM (x @ W.T on the dequantized
+weights, already in memory). With --baseline-src (the `src` folder of another checkout, e.g.
+`git archive REV src | tar -x -C /tmp/base`) the same timing runs there too, in a subprocess,
+rounds alternating with this tree's, and each result gets the baseline's ms and the ratio
+baseline / this tree. Times are ms per layer, min and median over the samples.
+
+    python benchmarks/gguf_decode.py --kernels --threads 2 --rows 1 16 64 \
+        --baseline-src /tmp/base/src
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
+import sys
 import time
 
+import numpy as np
 import torch
 
 from conveyor import LLM, SamplingParams
@@ -68,17 +85,168 @@ def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int) 
     }
 
 
+# --kernels: a decoder layer's linears on random blocks.
+KERNEL_TYPES = ["Q4_K", "Q6_K", "Q5_K", "Q8_0", "Q4_0", "Q4_1"]
+
+
+def _random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator):
+    """Random quants (and K-quant sub-block scales) with small float16 scales: real blocks'
+    layout and cost, not their values."""
+    from conveyor.model.cpu.quant_linear import QUANT_TYPES, QuantTensor
+
+    _, weights, size = QUANT_TYPES[qtype]
+    nb = cols // weights
+    blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    at, count = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1)}.get(
+        qtype, (0, 1)
+    )
+    scales = rng.uniform(-0.01, 0.01, (rows, nb, count)).astype(np.float16)
+    blocks[:, :, at : at + 2 * count] = scales.view(np.uint8).reshape(rows, nb, 2 * count)
+    return QuantTensor(qtype, torch.from_numpy(blocks.reshape(rows, nb * size)), (rows, cols))
+
+
+def _layer_shapes(hidden: int, inter: int, kv: int) -> list[tuple[int, int]]:
+    """(out, in) of qkv, o, gate_up, down."""
+    return [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+
+
+def _stats(samples: list[float]) -> dict:
+    ms = [1e3 * t for t in samples]
+    return {"min": round(min(ms), 3), "median": round(statistics.median(ms), 3)}
+
+
+def time_kernels(args, state: dict) -> dict:
+    """Samples (seconds) per (type, rows): {"TYPE/ROWS": [...]} (and "TYPE/ROWS/gemm"),
+    args.repeats of each, the configurations interleaved. `state` keeps the layers."""
+    from conveyor.model.cpu import cpu_kernels
+    from conveyor.model.cpu.quant_linear import QuantEmbedding, QuantLinear
+
+    kernels = state.get("kernels") or cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit("the CPU C kernels cannot be built here")
+    state["kernels"] = kernels
+    shapes = _layer_shapes(*args.shape)
+    rng = np.random.default_rng(0)
+    for qtype in args.types:
+        if qtype in state:
+            continue
+        layers, dense = [], []
+        for n, k in shapes:
+            w = _random_weight(qtype, n, k, rng)
+            layer = QuantLinear([w], None, kernels, passes=args.passes)
+            layers.append(layer)
+            if args.gemm:
+                emb = QuantEmbedding(w, kernels)
+                dense.append(emb(torch.arange(n)).T.contiguous().T)  # [n, k] fp32
+        state[qtype] = (layers, dense)
+    gen = torch.Generator().manual_seed(1)
+    xs = {m: [torch.randn(m, k, generator=gen) for _, k in shapes] for m in args.rows}
+    samples: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for _ in range(args.repeats):
+            for qtype in args.types:
+                layers, dense = state[qtype]
+                for m in args.rows:
+                    runs = [("", layers)] + ([("/gemm", dense)] if dense else [])
+                    for suffix, mods in runs:
+                        t, c = time.perf_counter(), time.process_time()
+                        for mod, x in zip(mods, xs[m], strict=True):
+                            mod(x) if suffix == "" else x @ mod.T
+                        c, t = time.process_time() - c, time.perf_counter() - t
+                        samples.setdefault(f"{qtype}/{m}{suffix}", []).append(t)
+                        samples.setdefault(f"{qtype}/{m}{suffix}/cpu", []).append(c)
+    return samples
+
+
+def kernels_main(args) -> dict:
+    state: dict = {}
+    time_kernels(args, state)  # warm-up (the build, first-touch of the weights)
+    mine: dict[str, list[float]] = {}
+    base: dict[str, list[float]] = {}
+    rounds = max(1, args.rounds) if args.baseline_src else 1
+    for _ in range(rounds):
+        if args.baseline_src:
+            cmd = [sys.executable, os.path.abspath(__file__), "--kernels", "--worker",
+                   "--no-gemm", "--threads", str(torch.get_num_threads()),
+                   "--passes", str(args.passes), "--repeats", str(args.repeats),
+                   "--types", *args.types, "--rows", *map(str, args.rows),
+                   "--shape", *map(str, args.shape)]  # fmt: skip
+            env = {**os.environ, "PYTHONPATH": args.baseline_src}
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            for key, v in json.loads(out.stdout)["samples"].items():
+                base.setdefault(key, []).extend(v)
+        for key, v in time_kernels(args, state).items():
+            mine.setdefault(key, []).extend(v)
+    if args.worker:
+        result = {"samples": mine}
+        print(json.dumps(result))
+        return result
+    results = []
+    for qtype in args.types:
+        for m in args.rows:
+            key = f"{qtype}/{m}"
+            row = {"type": qtype, "rows": m, "ms": _stats(mine[key])}
+            row["cpu_ms"] = _stats(mine[key + "/cpu"])
+            if key + "/gemm" in mine:
+                row["fp32_gemm_ms"] = _stats(mine[key + "/gemm"])
+            if key in base:
+                row["baseline_ms"] = _stats(base[key])
+                row["baseline_cpu_ms"] = _stats(base[key + "/cpu"])
+                for name, new, old in (("ratio", "ms", "baseline_ms"),
+                                       ("cpu_ratio", "cpu_ms", "baseline_cpu_ms")):  # fmt: skip
+                    row[name] = {
+                        s: round(row[old][s] / max(row[new][s], 1e-9), 2) for s in ("min", "median")
+                    }
+            results.append(row)
+    result = {
+        "mode": "kernels",
+        "threads": torch.get_num_threads(),
+        "passes": args.passes,
+        "shape": {"hidden": args.shape[0], "intermediate": args.shape[1], "kv": args.shape[2]},
+        "layer": [list(s) for s in _layer_shapes(*args.shape)],
+        "samples_each": len(next(iter(mine.values()))),
+        "baseline_src": args.baseline_src,
+        "results": results,
+    }
+    print(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="a .gguf file")
-    parser.add_argument("--passes", type=int, nargs="+", default=[1, 2], choices=(1, 2))
+    parser.add_argument("--model", help="a .gguf file")
+    parser.add_argument("--kernels", action="store_true", help="time a layer's linears")
+    parser.add_argument(
+        "--passes",
+        type=int,
+        nargs="+",
+        default=None,
+        choices=(1, 2),
+        help="activation passes (default 1 2; --kernels: 2, the default's)",
+    )
     parser.add_argument("--tokens", type=int, default=32, help="tokens per timed generate")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--kv-blocks", type=int, default=64)
+    parser.add_argument("--types", nargs="+", default=KERNEL_TYPES, choices=KERNEL_TYPES)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--shape", type=int, nargs=3, default=[2048, 5632, 256],
+                        metavar=("HIDDEN", "INTER", "KV"))  # fmt: skip
+    parser.add_argument("--baseline-src", help="another checkout's src folder, to compare")
+    parser.add_argument("--rounds", type=int, default=2, help="baseline/this tree alternations")
+    parser.add_argument("--no-gemm", dest="gemm", action="store_false")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernels:
+        if args.passes and len(args.passes) > 1:
+            parser.error("--kernels times one pass count")
+        args.passes = args.passes[0] if args.passes else 2
+        return kernels_main(args)
+    if not args.model:
+        parser.error("--model is required (or --kernels)")
+    args.passes = args.passes or [1, 2]
     result = {
         "model": args.model,
         "threads": torch.get_num_threads(),

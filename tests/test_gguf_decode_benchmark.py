@@ -26,3 +26,19 @@ def test_gguf_decode_benchmark_reports_each_pass_count(capsys):
         assert isinstance(r["tpot_ms"], float) and isinstance(r["cpu_ms"], float)
         assert r["linears_ms"] > 0 and r["linears_cpu_ms"] >= 0
     assert '"tpot_ms"' in capsys.readouterr().out
+
+
+def test_gguf_decode_benchmark_times_the_kernels_against_a_baseline_tree(capsys):
+    """--kernels: a tiny layer's quantized linears per type and row count, against the float32
+    GEMM and (--baseline-src, here this same tree) another checkout's kernels, with ratios."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    args = ["--kernels", "--shape", "256", "512", "64", "--rows", "1", "3", "--repeats", "1"]
+    result = gguf_decode.main([*args, "--types", "Q4_K", "Q8_0", "--baseline-src", src])
+    assert result["mode"] == "kernels" and result["passes"] == 2
+    assert [(r["type"], r["rows"]) for r in result["results"]] == [
+        ("Q4_K", 1), ("Q4_K", 3), ("Q8_0", 1), ("Q8_0", 3)
+    ]  # fmt: skip
+    for r in result["results"]:
+        assert r["ms"]["min"] > 0 and r["baseline_ms"]["min"] > 0
+        assert r["fp32_gemm_ms"]["median"] > 0 and r["ratio"]["median"] > 0
+    assert '"baseline_ms"' in capsys.readouterr().out

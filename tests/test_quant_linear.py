@@ -18,6 +18,7 @@ from torch import nn
 from conveyor.engine.config import EngineConfig
 from conveyor.model.cpu.quant_linear import (
     GEMM_ROWS,
+    MAX_TILE,
     QUANT_TYPES,
     QuantEmbedding,
     QuantLinear,
@@ -118,6 +119,33 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, qtype, pas
         together = layer(x)
         alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 33])
+def test_tiles_of_activation_rows_match_one_row_at_a_time_and_the_reference(
+    kernels, qtype, rows, passes
+):
+    """The kernels take up to MAX_TILE activation rows per pass over a weight group's unpacked
+    quants (odd counts leave remainder tiles of 1 to 3 rows): the same integer sums and float
+    operations per row as one row at a time (max_tile 1), so the results are equal bit for
+    bit, and within the activation rounding's bound of the float32 product. 40 weight rows:
+    two groups of sixteen and a padded one."""
+    k = width(qtype, 320)
+    weight = random_blocks(qtype, 40, k, seed=11 + rows)
+    w = weight.dequantize()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    tiled = QuantLinear([weight], None, kernels, passes=passes)
+    single = QuantLinear([weight], None, kernels, passes=passes)
+    single.max_tile = 1
+    assert tiled.max_tile == MAX_TILE > 1
+    with torch.inference_mode():
+        got, one_by_one, exact = tiled(x), single(x), x @ w.T
+    assert torch.equal(got, one_by_one)
+    xq, half_step = _quantize(x, passes)
+    assert_same_up_to_fp32_order(got, xq, w)
+    assert torch.all((got - exact).abs() <= (half_step @ w.abs().T) * 1.001 + 2e-5)
 
 
 def test_a_prefill_gemm_slices_the_weight_and_adds_the_bias(kernels, monkeypatch):

@@ -21,7 +21,8 @@ lower one, for CPUs without AVX2 or to test the portable paths on a machine that
 
 The GGUF dot products (quant_x8.c, quant_k.c) take 512-bit registers wherever the build has
 AVX-512BW: dpbusd with AVX-512 VNNI (a native build on Zen 4/5, Ice Lake and later), maddubs
-without it (the avx512 and avx512bf16 levels); 256-bit maddubs at avx2.
+without it (the avx512 and avx512bf16 levels), tiles of up to four activation rows per
+unpacked weight load; 256-bit maddubs one row at a time at avx2.
 
 The lower levels let tests run each kernel path on a machine that has a higher one
 (tests/test_cpu_isa.py); `python -m conveyor.model.cpu.cpu_kernels` says which GEMM a build has.

@@ -53,6 +53,7 @@ _ARGMAX_ARGS = [_P, _I64, _I64, _I64, _P, _I32]
 _LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I32]
 _QUANTIZE_ARGS = [_P, _I64, _I64, _I64, _P, _I32, _I32]
 _QUANT_LINEAR_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _I32, _P, _P, _I64, _I32]
+_QUANT_TILED_ARGS = [*_QUANT_LINEAR_ARGS, _I32]
 _QUANT_ROWS_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32]
 # Every exported C function: (argument types, return type), as csrc/ declares it.
 SIGNATURES: dict[str, tuple[list, type | None]] = {
@@ -71,6 +72,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # GGUF blocks (conveyor.model.cpu.quant_linear wraps them)
     "conveyor_quantize_q8a_f32": (_QUANTIZE_ARGS, None),
     "conveyor_quant_linear_f32": (_QUANT_LINEAR_ARGS, ctypes.c_int),
+    "conveyor_quant_linear_tiled_f32": (_QUANT_TILED_ARGS, ctypes.c_int),
     "conveyor_quant_rows_f32": (_QUANT_ROWS_ARGS, ctypes.c_int),
     # every decoder layer of a step (conveyor.model.cpu.fused_layers wraps it)
     "conveyor_decoder_layers": ([_P, _I32, *[_P] * 10], ctypes.c_int),

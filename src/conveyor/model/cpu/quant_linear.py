@@ -44,18 +44,21 @@ BLOCK = 32  # activations are quantized per 32
 GEMM_ROWS = 256
 _GEMM_SLICE = 1024  # weight rows dequantized at a time (1024 x 4096 floats: 16 MiB)
 _Q8A_BYTES = 40  # one activation block: float d, float s, int8 q[32]
-# Every kept type runs on rows interleaved eight at a time (interleave_x8): bytes per block
-# of such a group of eight rows (the K-quants' 6-bit scales decoded to bytes: 2-3% more).
-_X8_BYTES = {"Q8_0": 272, "Q4_0": 144, "Q4_1": 160, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680}
+# Every kept type runs on rows interleaved GROUP at a time (interleave_groups): bytes per
+# block of such a group (the K-quants' 6-bit scales decoded to bytes: 2-3% more).
+GROUP = 16  # csrc/quant_blocks.h's QG
+_GROUP_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q4_1": 320, "Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3360}
+# Activation rows that share one pass over a group's unpacked weights (csrc's QT).
+MAX_TILE = 4
 
 
 @dataclass(frozen=True)
 class QuantTensor:
     """One GGUF weight's blocks: rows of cols // (the type's block size) blocks each, as the
-    file has them, or (`interleaved`) as interleave_x8 reorders them for the kernels."""
+    file has them, or (`interleaved`) as interleave_groups reorders them for the kernels."""
 
     qtype: str
-    data: torch.Tensor  # uint8 [rows, row bytes] (interleaved: [ceil(rows / 8), group bytes])
+    data: torch.Tensor  # uint8 [rows, row bytes] (interleaved: [ceil(rows / 16), group bytes])
     shape: tuple[int, int]  # (rows, cols) in weights
     interleaved: bool = False
 
@@ -66,7 +69,7 @@ class QuantTensor:
             raise ValueError(f"{self.qtype} rows hold blocks of {size}, got {cols} columns.")
         want = (rows, cols // size * block_bytes)
         if self.interleaved:
-            want = (-(-rows // 8), cols // size * _X8_BYTES[self.qtype])
+            want = (-(-rows // GROUP), cols // size * _GROUP_BYTES[self.qtype])
         if tuple(self.data.shape) != want:
             raise ValueError(
                 f"{self.qtype} weight of shape {self.shape} needs uint8 "
@@ -80,25 +83,26 @@ class QuantTensor:
         from gguf.quants import dequantize
 
         if self.interleaved:
-            raise ValueError("dequantize the weight before interleave_x8.")
+            raise ValueError("dequantize the weight before interleave_groups.")
         values = dequantize(self.data.numpy(), GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.array(values, np.float32, copy=True).reshape(self.shape))
 
 
 def _side(fields: np.ndarray, width: int) -> np.ndarray:
-    """[groups, 8 rows, blocks, F * width] -> [groups, blocks, F * 8 * width]: each of the F
-    fields (of `width` bytes) of the eight rows side by side."""
+    """[groups, GROUP rows, blocks, F * width] -> [groups, blocks, F * GROUP * width]: each
+    of the F fields (of `width` bytes) of the group's rows side by side."""
     g, _, n, length = fields.shape
-    split = fields.reshape(g, 8, n, length // width, width).transpose(0, 2, 3, 1, 4)
-    return split.reshape(g, n, 8 * length)
+    split = fields.reshape(g, GROUP, n, length // width, width).transpose(0, 2, 3, 1, 4)
+    return split.reshape(g, n, GROUP * length)
 
 
 def _quads(runs: np.ndarray, run: int) -> np.ndarray:
-    """[groups, 8 rows, blocks, R * run] -> [groups, blocks, 8 * R * run]: each run of `run`
-    bytes as quads: four bytes of each of the eight rows side by side, run // 4 times."""
+    """[groups, GROUP rows, blocks, R * run] -> [groups, blocks, GROUP * R * run]: each run of
+    `run` bytes as quads: four bytes of each of the group's rows side by side, run // 4
+    times."""
     g, _, n, length = runs.shape
-    split = runs.reshape(g, 8, n, length // run, run // 4, 4).transpose(0, 2, 3, 4, 1, 5)
-    return split.reshape(g, n, 8 * length)
+    split = runs.reshape(g, GROUP, n, length // run, run // 4, 4).transpose(0, 2, 3, 4, 1, 5)
+    return split.reshape(g, n, GROUP * length)
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -111,9 +115,9 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _interleaved_pieces(qtype: str, b: np.ndarray) -> list[np.ndarray]:
-    """A group's blocks b [groups, 8, blocks, block bytes] in csrc's interleaved order."""
-    if qtype == "Q8_0":
-        return [_side(b[..., 0:2], 2), _quads(b[..., 2:34], 32)]
+    """A group's blocks b [groups, GROUP, blocks, block bytes] in csrc's interleaved order."""
+    if qtype == "Q8_0":  # the quants + 128, unsigned (csrc/quant_x8.c)
+        return [_side(b[..., 0:2], 2), _quads(b[..., 2:34] ^ np.uint8(128), 32)]
     if qtype == "Q4_0":
         return [_side(b[..., 0:2], 2), _quads(b[..., 2:18], 16)]
     if qtype == "Q4_1":
@@ -128,21 +132,26 @@ def _interleaved_pieces(qtype: str, b: np.ndarray) -> list[np.ndarray]:
     return [*pieces, _quads(b[..., -128:], 32)]
 
 
-def interleave_x8(weight: QuantTensor) -> QuantTensor:
-    """A weight's bytes as csrc/quant_x8.c and quant_k.c read them: uint8 [ceil(rows / 8),
-    group bytes], each group of eight rows (zero rows pad the last) block by block, each
-    block's fields for the eight rows side by side (the kernels' headers give the layouts).
-    The file's bytes reordered (the K-quants' packed 6-bit scales decoded to bytes)."""
+def interleave_groups(weight: QuantTensor) -> QuantTensor:
+    """A weight's bytes as csrc/quant_x8.c and quant_k.c read them: uint8 [ceil(rows / 16),
+    group bytes], each group of sixteen rows (zero rows pad the last) block by block, each
+    block's fields for the group's rows side by side (the kernels' headers give the layouts).
+    The file's bytes reordered (the K-quants' packed 6-bit scales decoded to bytes, Q8_0's
+    quants offset by 128)."""
     if weight.interleaved:
         return weight
     rows, cols = weight.shape
     _, size, block_bytes = QUANT_TYPES[weight.qtype]
-    nb, groups = cols // size, -(-rows // 8)
-    blocks = np.zeros((groups * 8, nb, block_bytes), np.uint8)
+    nb, groups = cols // size, -(-rows // GROUP)
+    blocks = np.zeros((groups * GROUP, nb, block_bytes), np.uint8)
     blocks[:rows] = weight.data.numpy().reshape(rows, nb, block_bytes)
-    pieces = _interleaved_pieces(weight.qtype, blocks.reshape(groups, 8, nb, block_bytes))
-    out = np.concatenate(pieces, axis=2).reshape(groups, nb * _X8_BYTES[weight.qtype])
-    return QuantTensor(weight.qtype, torch.from_numpy(out), weight.shape, interleaved=True)
+    pieces = _interleaved_pieces(weight.qtype, blocks.reshape(groups, GROUP, nb, block_bytes))
+    # Written into a torch allocation: 64-byte aligned, as the kernels' 64-byte loads of a
+    # group's quads want (numpy's 16-byte alignment split every load across two cache lines:
+    # Q6_K at 2 activation rows and up ran 3-5x slower).
+    data = torch.empty(groups, nb * _GROUP_BYTES[weight.qtype], dtype=torch.uint8)
+    np.concatenate(pieces, axis=2, out=data.numpy().reshape(groups, nb, -1))
+    return QuantTensor(weight.qtype, data, weight.shape, interleaved=True)
 
 
 def _stacked(parts: list[QuantTensor]) -> tuple[int, int]:
@@ -179,10 +188,13 @@ class QuantLinear(nn.Module):
         self.qtypes = [p.qtype for p in parts]
         self.rows = [p.shape[0] for p in parts]
         for i, part in enumerate(parts):
-            self.register_buffer(f"qweight{i}", interleave_x8(part).data, persistent=False)
+            self.register_buffer(f"qweight{i}", interleave_groups(part).data, persistent=False)
         self.bias = bias
+        # Activation rows per pass over the unpacked weights (1 .. MAX_TILE; 1: one row at a
+        # time, the path before tiles, kept for tests and benchmarks: the same results).
+        self.max_tile = MAX_TILE
         self._quantize = kernels.fns["conveyor_quantize_q8a_f32"]
-        self._linear = kernels.fns["conveyor_quant_linear_f32"]
+        self._linear = kernels.fns["conveyor_quant_linear_tiled_f32"]
         self._rows = kernels.fns["conveyor_quant_rows_f32"]
 
     def _apply(self, fn, recurse=True):  # .to() and friends may move the buffers
@@ -226,8 +238,10 @@ class QuantLinear(nn.Module):
             for type_id, w, ldw, n, bias, start in self._launches():
                 failed = self._linear(
                     type_id, w, ldw, n, k, xq_ptr, m, passes, bias, out_ptr + 4 * start, ldo,
-                    threads,
+                    threads, self.max_tile,
                 )  # fmt: skip
+                if failed == 3:
+                    raise MemoryError("the quantized kernel could not allocate its sums.")
                 if failed:
                     raise ValueError(f"the quantized kernel does not handle type {type_id}.")
         return out.view(*x.shape[:-1], self.out_features)
@@ -261,7 +275,7 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.qtype = weight.qtype
         self.num_embeddings, self.embedding_dim = weight.shape
-        weight = interleave_x8(weight)  # as the tied head will read it
+        weight = interleave_groups(weight)  # as the tied head will read it
         self.interleaved = weight.interleaved
         self.register_buffer("qweight", weight.data, persistent=False)
         self._rows = kernels.fns["conveyor_quant_rows_f32"]

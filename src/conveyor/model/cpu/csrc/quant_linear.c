@@ -1,7 +1,7 @@
 /* Linear layers on GGUF's quantized blocks: out = x @ W^T + bias for W [N, K] in Q8_0, Q4_0
- * or Q4_1 (their rows interleaved eight at a time at load: quant_x8.c) or a K-quant (Q4_K,
- * Q5_K, Q6_K, rows as the file has them: quant_k.c) (conveyor.model.cpu.quant_linear.QuantLinear).
- * This file quantizes the activations and splits the work.
+ * or Q4_1 (quant_x8.c) or a K-quant (Q4_K, Q5_K, Q6_K: quant_k.c), rows interleaved sixteen
+ * at a time at load (conveyor.model.cpu.quant_linear.QuantLinear). This file quantizes the
+ * activations and splits the work.
  *
  * The blocks (32 weights each, little-endian, d and m float16):
  *
@@ -26,19 +26,24 @@
  *
  * The integer dot: AVX2 `maddubs` (unsigned 4-bit x signed 8-bit into int16 pairs, then
  * `madd` into int32; Q8_0's signed weights through the sign trick |w| x sign(qx, w)), or
- * AVX-512 VNNI's `dpbusd` (the same in one instruction; Q8_0 as (qx + 128) w less 128 sum(w),
- * since dpbusd does not saturate) where the build has it, on 512-bit registers (two quad runs
- * of a group per load) where the build has AVX-512BW, with maddubs there when it lacks VNNI;
- * a plain C loop otherwise (the portable build). All give the same integer sums; the float
+ * AVX-512 VNNI's `dpbusd` (the same in one instruction; Q8_0's weights stored + 128, so
+ * (w + 128) qx less 128 sum(qx), since dpbusd does not saturate) where the build has it, on
+ * 512-bit registers (a load holds four quants of each of a group's sixteen rows) where the
+ * build has AVX-512BW, with maddubs there when it lacks VNNI; a plain C loop otherwise (the
+ * portable build). All give the same integer sums; the float
  * scale products are summed per block in order, so results agree across builds to fp32
  * rounding.
  *
  * The activation quantization is the only approximation beyond the file's own: at most half
  * a step of the last pass per element of x (tests/test_quant_linear.py states the tolerance).
  *
- * Work split: threads take groups of eight weight rows; their bytes stay in L1 while every
- * activation row passes over them.
+ * Work split: threads take groups of sixteen weight rows (QG); each group's bytes stay in
+ * L1 or L2 while tiles of up to QT activation rows pass over them. A tile unpacks each load
+ * of weights once for all its rows (AVX-512; the AVX2 and portable paths take its rows one
+ * by one), which a decode step of many sequences needs: before tiles, every row redid the
+ * nibble split and scale decoding, and 16 rows cost about 16 times one row's work.
  */
+#include <stdlib.h>
 #include <math.h>
 
 #include "quant_blocks.h"
@@ -83,38 +88,83 @@ void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k
     }
 }
 
+/* The activation sums quant_blocks.h describes (for Q6_K and Q8_0), passes x m rows of nb
+ * blocks. */
+static void fill_xsum(int qtype, const q8a_block *x, int64_t rows, int64_t nb, int32_t *xsum,
+                      int num_threads)
+{
+    #pragma omp parallel for num_threads(num_threads) schedule(static) \
+        if (rows * nb >= PARALLEL_MIN_BLOCKS)
+    for (int64_t i = 0; i < rows * nb; i++) {
+        int32_t lo = 0, hi = 0;
+        for (int j = 0; j < QK / 2; j++) lo += x[i].q[j], hi += x[i].q[QK / 2 + j];
+        if (qtype == Q6_K) {
+            xsum[2 * i] = -32 * lo;
+            xsum[2 * i + 1] = -32 * hi;
+        } else {
+            xsum[2 * i] = -128 * (lo + hi);
+            xsum[2 * i + 1] = 0;
+        }
+    }
+}
+
 /* out[r, j] = sum_k xq[r, k] W[j, k] + bias[j] for r < m, j < n, xq from
- * conveyor_quantize_q8a_f32 with the same passes, bias NULL or [n]. W: for Q8_0, Q4_0 and
- * Q4_1 (quant_x8.c) and the K-quants (quant_k.c), ceil(n / 8) groups of eight interleaved
- * rows, ldw bytes apart. Returns 0, or 1 for a type (or a K-quant width) this file does not
- * handle (nothing written). */
-int conveyor_quant_linear_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
-                              const void *xq, int64_t m, int passes, const float *bias,
-                              float *out, int64_t ldo, int num_threads)
+ * conveyor_quantize_q8a_f32 with the same passes, bias NULL or [n]. W: ceil(n / 16) groups
+ * of sixteen interleaved rows (quant_x8.c's and quant_k.c's layouts), ldw bytes apart. Up to
+ * max_tile (1 .. QT) activation rows share each pass over a group's unpacked weights; 1 is
+ * one row at a time (each row's result is the same either way, bit for bit). Returns 0, 1
+ * for a type (or a K-quant width) this file does not handle, 3 when out of memory (nothing
+ * written either way). */
+int conveyor_quant_linear_tiled_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n,
+                                    int64_t k, const void *xq, int64_t m, int passes,
+                                    const float *bias, float *out, int64_t ldo, int num_threads,
+                                    int max_tile)
 {
     const int64_t nb = k / QK;
     const int kquant = quant_k_block_bytes(qtype) > 0;
     if (kquant ? k % QK_K != 0 : !quant_x8_block_bytes(qtype)) return 1;
     const q8a_block *x = (const q8a_block *)xq, *x2 = passes > 1 ? x + m * nb : 0;
-    /* a task: eight weight rows (one interleaved group) against every activation row, the
-     * group's bytes staying in L1 */
-    const int64_t tasks = (n + 7) / 8;
+    const int64_t tile = max_tile < 1 ? 1 : max_tile > QT ? QT : max_tile;
+    int32_t *xsum = 0;
+    if (qtype == Q6_K || qtype == Q8_0) {
+        const int64_t rows = (passes > 1 ? 2 : 1) * m;
+        xsum = malloc((size_t)(rows * nb * 2) * sizeof *xsum);
+        if (!xsum) return 3;
+        fill_xsum(qtype, x, rows, nb, xsum, num_threads);
+    }
+    /* a task: one group of sixteen weight rows against every activation row, a tile at a
+     * time, the group's bytes staying in cache */
+    const int64_t tasks = (n + QG - 1) / QG;
     #pragma omp parallel for num_threads(num_threads) schedule(static) \
         if (tasks > 1 && m * n * nb >= PARALLEL_MIN_BLOCKS)
     for (int64_t t = 0; t < tasks; t++) {
-        const int64_t j0 = 8 * t, rows = n - j0 < 8 ? n - j0 : 8;
-        for (int64_t r = 0; r < m; r++) {
-            const q8a_block *xr = x + r * nb, *x2r = x2 ? x2 + r * nb : 0;
-            float dots[8];
+        const int64_t j0 = QG * t, cols = n - j0 < QG ? n - j0 : QG;
+        for (int64_t r0 = 0; r0 < m; r0 += tile) {
+            const int rows = (int)(m - r0 < tile ? m - r0 : tile);
+            const q8a_block *xr = x + r0 * nb, *x2r = x2 ? x2 + r0 * nb : 0;
+            const int32_t *sr = xsum ? xsum + 2 * r0 * nb : 0;
+            float dots[QT * QG];
             if (kquant)
-                quant_k_group_dot(qtype, w + t * ldw, k, xr, x2r, dots);
+                quant_k_tile_dot(qtype, w + t * ldw, k, xr, x2r, nb, rows, sr, dots);
             else
-                quant_x8_group_dot(qtype, w + t * ldw, k, xr, x2r, dots);
-            for (int64_t i = 0; i < rows; i++)
-                out[r * ldo + j0 + i] = dots[i] + (bias ? bias[j0 + i] : 0.f);
+                quant_x8_tile_dot(qtype, w + t * ldw, k, xr, x2r, nb, rows, sr, dots);
+            for (int r = 0; r < rows; r++)
+                for (int64_t i = 0; i < cols; i++)
+                    out[(r0 + r) * ldo + j0 + i] = dots[QG * r + i] + (bias ? bias[j0 + i] : 0.f);
         }
     }
+    free(xsum);
     return 0;
+}
+
+/* conveyor_quant_linear_tiled_f32 with tiles of QT rows: what QuantLinear and the fused
+ * decoder layers call. */
+int conveyor_quant_linear_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
+                              const void *xq, int64_t m, int passes, const float *bias,
+                              float *out, int64_t ldo, int num_threads)
+{
+    return conveyor_quant_linear_tiled_f32(qtype, w, ldw, n, k, xq, m, passes, bias, out, ldo,
+                                           num_threads, QT);
 }
 
 /* Rows ids[i] (i < count) of W (n rows, laid out as conveyor_quant_linear_f32 takes them)
@@ -136,10 +186,10 @@ int conveyor_quant_rows_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n,
             continue;
         }
         if (kquant)
-            quant_k_row_dequantize(qtype, w + ids[i] / 8 * ldw, (int)(ids[i] % 8), k,
+            quant_k_row_dequantize(qtype, w + ids[i] / QG * ldw, (int)(ids[i] % QG), k,
                                    out + i * ldo);
         else
-            quant_x8_row_dequantize(qtype, w + ids[i] / 8 * ldw, (int)(ids[i] % 8), k,
+            quant_x8_row_dequantize(qtype, w + ids[i] / QG * ldw, (int)(ids[i] % QG), k,
                                     out + i * ldo);
     }
     return failed;
