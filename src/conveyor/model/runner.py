@@ -42,13 +42,13 @@ from conveyor.model.kv_sizing import log_kv_cache, profile_cuda_kv_bytes
 from conveyor.model.loading.demo import demo_model_path
 from conveyor.model.loading.loader import (
     load_model,
+    model_config,
     read_hf_config,
     resolve_dtype,
     resolve_model_class,
     weight_bytes,
 )
 from conveyor.model.models.layers import use_cpu_kernels
-from conveyor.model.models.llama import ModelConfig
 from conveyor.model.pooler import Pooler, PoolRows
 from conveyor.model.sampling.logits_guard import FiniteLogitsGuard
 from conveyor.model.sampling.prompt_logprobs import PromptRows, prompt_logprobs
@@ -120,9 +120,9 @@ class ModelRunner:
                 "dtype bfloat16 on CPU: bfloat16 weights (our GEMM) and KV cache, float32 "
                 "activations."
             )
-        resolve_model_class(hf_config)  # an unsupported architecture is named first
-        model_config = ModelConfig.from_hf_config(hf_config)
-        context = model_config.max_position_embeddings
+        cls = resolve_model_class(hf_config)  # an unsupported architecture is named first
+        kv_config = model_config(hf_config)
+        context = kv_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or context, context)
         if config.max_model_len is not None and config.max_model_len > context:
             logger.warning(
@@ -133,9 +133,10 @@ class ModelRunner:
             )
         kv_dtype = config.kv_cache_dtype
         if tp is not None:  # a rank's cache holds its KV heads only
-            model_config = Shard.of(model_config, tp.rank, tp.size).local_config(model_config)
+            shard = Shard.of(kv_config, tp.rank, tp.size, cls.SPEC.tp_splits)
+            kv_config = shard.local_config(kv_config)
         bytes_per_block = kv_cache_bytes_per_block(
-            model_config, self.block_size, self.kv_dtype, kv_dtype
+            kv_config, self.block_size, self.kv_dtype, kv_dtype
         )
         self.kv_cache_space_gb = config.kv_cache_space_gb or (
             DEMO_KV_CACHE_SPACE_GB if config.model is None else DEFAULT_KV_CACHE_SPACE_GB

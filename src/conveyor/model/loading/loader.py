@@ -1,8 +1,10 @@
 """Load an HF checkpoint directory (config.json + *.safetensors) into our modules.
 
-The class comes from `config.json["architectures"][0]` through `MODEL_REGISTRY`; a new family
-is one module plus registry lines. The model is built on the meta device (no random init),
-then every parameter is assigned from the checkpoint, converted to the target dtype/device:
+The class comes from `config.json["architectures"]` through `MODEL_REGISTRY`, read from the
+families' declarations (model/models/__init__.py's FAMILIES, each class's `SPEC`: its
+architecture names, config names, fused weights and tensor-parallel splits). The model is
+built on the meta device (no random init), then every parameter is assigned from the
+checkpoint, converted to the target dtype/device (Llama's names):
 
     HF name                                   ours
     model.layers.N.self_attn.{q,k,v}_proj.*   model.layers.N.self_attn.qkv_proj.*  (cat dim 0)
@@ -51,29 +53,19 @@ from conveyor.model.loading.gguf_loader import (
     read_gguf_config,
     release_gguf,
 )
+from conveyor.model.loading.model_config import ModelConfig
 from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_tensors
-from conveyor.model.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    ModelConfig,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from conveyor.model.models import FAMILIES
+from conveyor.model.models.llama import LlamaForCausalLM
 from conveyor.parallel.sharding import Shard
 
 logger = logging.getLogger(__name__)
 
+# config.json architecture -> class: each family's own name first, then the other names it
+# serves (the bare decoders, no head: embedding checkpoints saved from AutoModel).
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    # The bare decoders (no head): embedding checkpoints saved from AutoModel.
-    "LlamaModel": LlamaForCausalLM,
-    "MistralModel": MistralForCausalLM,
-    "Qwen2Model": Qwen2ForCausalLM,
-    "Qwen3Model": Qwen3ForCausalLM,
-}
+    name: cls for cls in FAMILIES for name in cls.SPEC.architectures[:1]
+} | {name: cls for cls in FAMILIES for name in cls.SPEC.architectures[1:]}
 
 # The one name -> dtype table: EngineConfig's dtype names, "auto" aside (resolve_dtype).
 _DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in DTYPES if n != "auto"}
@@ -99,6 +91,13 @@ def resolve_model_class(hf_config: dict[str, Any]) -> type[LlamaForCausalLM]:
     raise ValueError(
         f"Unsupported architecture {archs or None}; supported: {', '.join(MODEL_REGISTRY)}."
     )
+
+
+def model_config(hf_config: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of a checkpoint's config dict, read with its family's config names
+    (ValueError for an unsupported architecture or config)."""
+    cls = resolve_model_class(hf_config)
+    return ModelConfig.from_hf_config(hf_config, cls.SPEC.config_names)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -211,9 +210,9 @@ def load_model(
     hf_config = read_hf_config(path)
     cls = resolve_model_class(hf_config)
     dtype = resolve_dtype(dtype, device, hf_config)
-    config = ModelConfig.from_hf_config(hf_config)
+    config = ModelConfig.from_hf_config(hf_config, cls.SPEC.config_names)
     gguf_file = find_gguf_file(path)
-    shard = None if tp is None else Shard.of(config, tp.rank, tp.size)
+    shard = None if tp is None else Shard.of(config, tp.rank, tp.size, cls.SPEC.tp_splits)
     if gguf_file is not None and shard is not None:
         raise ValueError(
             "tensor_parallel_size > 1 is not supported for GGUF models; use an HF safetensors "
@@ -298,7 +297,7 @@ def _assign_weights(
     that was copied (converted, moved or concatenated) is released right after, so the
     weights are in memory about once during the load."""
     expected = dict(model.named_parameters())
-    packed = model.PACKED_MODULES
+    packed = model.SPEC.packed_modules
     shard_counts: dict[str, int] = {}
     for fused, index in packed.values():
         shard_counts[fused] = max(shard_counts.get(fused, 0), index + 1)
