@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from conveyor.engine.config import EngineConfig
 from conveyor.model.loading.demo import demo_model_path
-from conveyor.model.runner import ModelRunner, resolve_device
+from conveyor.model.runner import ModelRunner
+from conveyor.model.runner_settings import resolve_device
 from conveyor.parallel.group import TensorParallelError, TPGroup, timeout_from_env
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -40,11 +40,14 @@ from tqdm.auto import tqdm
 from conveyor.engine.config import DTYPES
 from conveyor.model.attention import get_attention_backend
 from conveyor.model.cpu import cpu_build, cpu_kernels
+from conveyor.model.cpu.fused_layers import FusedLayers
+from conveyor.model.cpu.linear import linear_factory, pack_linears
 from conveyor.model.cpu.quant_linear import (
     QUANT_TYPES,
     QuantEmbedding,
     QuantTensor,
     quantized_module,
+    set_activation_passes,
 )
 from conveyor.model.loading.checkpoint import find_gguf_file, read_config_json
 from conveyor.model.loading.gguf_loader import (
@@ -56,8 +59,14 @@ from conveyor.model.loading.gguf_loader import (
 from conveyor.model.loading.model_config import ModelConfig
 from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_tensors
 from conveyor.model.models import FAMILIES
+from conveyor.model.models.layers import use_cpu_kernels
 from conveyor.model.models.llama import LlamaForCausalLM
 from conveyor.parallel.sharding import Shard
+
+if TYPE_CHECKING:
+    from conveyor.engine.config import EngineConfig
+    from conveyor.model.cpu.cpu_kernels import CpuKernels
+    from conveyor.model.runner_settings import RunnerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +262,42 @@ def load_model(
             if buf.is_floating_point():
                 buf.data = buf.data.to(dtype)
     return model.eval()
+
+
+def load_weights(
+    path: str | Path, settings: RunnerSettings, config: EngineConfig, tp: Any = None
+) -> tuple[LlamaForCausalLM, CpuKernels | None]:
+    """Start-up, step 2 of 4 (model/runner.py): the runner's model, loaded (load_model) as
+    `settings` say, its linears packed for their GEMM and, on CPU with the C kernels, its
+    norms, rotary and decoder layers put on them.
+
+    Returns:
+        the model, and the C kernels its forward runs on (None: torch).
+    """
+    s = settings
+    # Our C kernels run the linears: a GGUF file's QUANT_TYPES blocks stay as they are.
+    model = load_model(
+        path, s.dtype, s.device, s.attention_backend, tp=tp,
+        keep_quantized=s.linear_backend == "cpu", linear_dtype=s.weight_dtype,
+    )  # fmt: skip
+    set_activation_passes(model, config.quant_activation_passes)
+    if s.linear_backend in ("onednn", "cpu"):
+        pack_linears(model, linear_factory(s.linear_backend, s.weight_dtype))
+    logger.info("Weights in memory: %.1f MiB.", weight_bytes(model) / 2**20)
+    # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
+    # the rotary embedding and the sampler's argmax; attention_backend "torch" keeps the
+    # forward and the sampler in torch.
+    if s.device.type != "cpu" or s.attention_backend not in ("auto", "cpu"):
+        return model, None
+    kernels = cpu_kernels.load()
+    if kernels is None or s.dtype != torch.float32:
+        return model, None
+    use_cpu_kernels(model, kernels)
+    if hasattr(model, "fused_layers"):
+        model.fused_layers = FusedLayers.build(model, kernels)
+        if model.fused_layers is not None:
+            logger.info("Decoder layers: one C call a step (csrc/decoder_layers.c).")
+    return model, kernels
 
 
 def weight_bytes(model: nn.Module) -> int:
