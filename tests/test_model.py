@@ -250,6 +250,44 @@ def test_registry_and_backend_choice(monkeypatch):
         get_attention_backend("flash", "cpu")
 
 
+def test_a_family_with_its_own_names_loads_through_its_declarations(tmp_path, monkeypatch):
+    # docs/architecture.md's worked example: Llama's graph, other config.json and GGUF names.
+    import dataclasses
+
+    from conveyor.model.loading.demo import demo_model_path
+    from conveyor.model.models.llama import LLAMA, LLAMA_GGUF, LlamaForCausalLM
+
+    layers = {k: v for k, v in LLAMA_GGUF.layer_names.items() if k != "attn_output"}
+    layers["attn_out"] = "self_attn.o_proj"
+
+    class AcmeForCausalLM(LlamaForCausalLM):
+        SPEC = dataclasses.replace(
+            LLAMA,
+            architectures=("AcmeForCausalLM", "AcmeModel"),
+            config_names={"num_hidden_layers": "n_layers", "num_key_value_heads": "n_kv_heads"},
+            gguf=dataclasses.replace(
+                LLAMA_GGUF, architecture="acme", layer_names=layers, permuted_qk=False
+            ),
+        )
+
+    monkeypatch.setitem(MODEL_REGISTRY, "AcmeForCausalLM", AcmeForCausalLM)
+    demo = demo_model_path()
+    hf = json.loads((demo / "config.json").read_text())
+    hf["architectures"] = ["AcmeForCausalLM"]
+    hf["n_layers"], hf["n_kv_heads"] = hf.pop("num_hidden_layers"), hf.pop("num_key_value_heads")
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "model.safetensors").symlink_to(demo / "model.safetensors")
+    acme, llama = load_model(tmp_path), load_model(demo)
+    assert type(acme) is AcmeForCausalLM and acme.config.num_hidden_layers == hf["n_layers"]
+    assert dataclasses.replace(acme.config, architecture="LlamaForCausalLM") == llama.config
+    ours, theirs = acme.state_dict(), llama.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    gguf = AcmeForCausalLM.SPEC.gguf
+    assert gguf.hf_name("blk.3.attn_out.weight") == "model.layers.3.self_attn.o_proj.weight"
+    assert gguf.gguf_name("model.layers.3.self_attn.o_proj.weight") == "blk.3.attn_out.weight"
+    assert gguf.hf_name("blk.3.attn_output.weight") == "blk.3.attn_output.weight"  # not its
+
+
 def test_auto_backend_is_triton_on_cuda_and_torch_when_triton_cannot_run(monkeypatch):
     import conveyor.model.attention.triton_attention as triton_attention
 

@@ -21,6 +21,7 @@ from tests.gguf_files import write_gguf
 from tests.hf_checkpoints import agree_until_a_near_tie, greedy_reference, write_checkpoint
 
 from conveyor import LLM, SamplingParams
+from conveyor.model.models.llama import LlamaForCausalLM
 from conveyor.parallel.sharding import Shard
 
 NEAR_TIE = 1e-3  # float32 logits: rounding of a different summation order
@@ -122,7 +123,7 @@ def test_shard_slices_each_weight_as_its_rank_needs():
     cfg = type("C", (), {})()
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 4, 1, 2
     cfg.intermediate_size, cfg.vocab_size = 6, 5
-    r0, r1 = Shard.of(cfg, 0, 2), Shard.of(cfg, 1, 2)
+    r0, r1 = (Shard.of(cfg, r, 2, LlamaForCausalLM.SPEC.tp_splits) for r in (0, 1))
     emb = torch.arange(5 * 3.0).view(5, 3)
     # vocabulary 5 over 2 ranks: 3 rows each, the last rank's third row padding zeros
     assert torch.equal(r0.slice("model.embed_tokens.weight", emb), emb[:3])

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from conveyor.engine.config import EngineConfig
 from conveyor.model.loading.demo import demo_model_path
-from conveyor.model.runner import ModelRunner, resolve_device
+from conveyor.model.runner import ModelRunner
+from conveyor.model.runner_settings import resolve_device
 from conveyor.parallel.group import TensorParallelError, TPGroup, timeout_from_env
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,7 @@ def shutdown_runner(runner: ModelRunner) -> None:
 def _check_model(model_path: str, size: int) -> None:
     """Shapes that cannot be split, or a GGUF file, are refused before any process starts."""
     from conveyor.model.loading.checkpoint import find_gguf_file
-    from conveyor.model.loading.loader import read_hf_config
-    from conveyor.model.models.llama import ModelConfig
+    from conveyor.model.loading.loader import model_config, read_hf_config
     from conveyor.parallel.sharding import check_tensor_parallel
 
     if find_gguf_file(model_path) is not None:
@@ -129,7 +129,7 @@ def _check_model(model_path: str, size: int) -> None:
             "tensor_parallel_size > 1 is not supported for GGUF models; use an HF safetensors "
             "checkpoint, or tensor_parallel_size 1."
         )
-    check_tensor_parallel(ModelConfig.from_hf_config(read_hf_config(model_path)), size)
+    check_tensor_parallel(model_config(read_hf_config(model_path)), size)
 
 
 def _local_size(size: int) -> int:

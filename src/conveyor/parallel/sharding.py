@@ -1,28 +1,29 @@
 """Which slice of each weight a tensor-parallel rank holds (Megatron-style, as vLLM splits).
 
-N ranks, rank r; H query heads, Hkv KV heads, head size d, MLP width I, vocabulary V:
+Each family declares how each weight splits, by its module's leaf name (FamilySpec.tp_splits,
+model/models/spec.py). N ranks, rank r; H query heads, Hkv KV heads, head size d, V tokens;
+a weight is [out, in]:
 
-    weight (HF name)                  split                 rank r holds
-    self_attn.q_proj   [H*d, h]       column (rows here)    heads r*H/N .. (r+1)*H/N - 1
-    self_attn.k/v_proj [Hkv*d, h]     column                Hkv >= N: heads r*Hkv/N ..;
-                                                            Hkv < N: the one KV head its query
-                                                            heads read (replicated)
-    self_attn.o_proj   [h, H*d]       row (columns)         its heads' columns; + all_reduce
-    mlp.gate/up_proj   [I, h]         column                rows r*I/N .. (r+1)*I/N - 1
-    mlp.down_proj      [h, I]         row                   those columns; + all_reduce
-    embed_tokens, lm_head [V, h]      vocabulary            rows r*Vr .. with Vr = ceil(V/N),
-                                                            the last rank's padded with zeros
-    norms (incl. Qwen3 q/k norm), rotary                    replicated
+    split     rank r holds                                        Llama's weights
+    heads     rows of heads r*H/N .. (r+1)*H/N - 1                self_attn.q_proj
+    kv_heads  Hkv >= N: rows of KV heads r*Hkv/N ..; Hkv < N: the self_attn.k_proj, v_proj
+              one KV head its query heads read (replicated)
+    column    rows r*out/N .. (r+1)*out/N - 1                     mlp.gate_proj, up_proj
+    row       columns r*in/N ..; + all_reduce                     self_attn.o_proj, mlp.down_proj
+    vocab     rows r*Vr .. with Vr = ceil(V/N), the last rank's   embed_tokens, lm_head
+              padded with zeros
+    (none)    everything                                          norms, rotary
 
-q/k/v biases (Qwen2) follow their rows; a row-parallel bias is added once, by rank 0 (the
-others hold zeros), so the all-reduce sums it once. Every slice is a `narrow` of the
-checkpoint tensor: with the mmap loader a rank reads only its own pages of the file.
+A bias follows its rows; a row-split bias is added once, by rank 0 (the others hold zeros),
+so the all-reduce sums it once. Every slice is a `narrow` of the checkpoint tensor: with the
+mmap loader a rank reads only its own pages of the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,7 +58,8 @@ def check_tensor_parallel(config: Any, size: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """One rank's slice of a model of `config`'s shapes (see the module docstring)."""
+    """One rank's slice of a model of `config`'s shapes, split as its family declares (see
+    the module docstring)."""
 
     rank: int
     size: int
@@ -66,13 +68,15 @@ class Shard:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    splits: Mapping[str, str] = field(hash=False)  # module leaf -> split (FamilySpec)
 
     @classmethod
-    def of(cls, config: Any, rank: int, size: int) -> Shard:
+    def of(cls, config: Any, rank: int, size: int, splits: Mapping[str, str]) -> Shard:
+        """`config`: a ModelConfig; `splits`: the family's FamilySpec.tp_splits."""
         check_tensor_parallel(config, size)
         return cls(
             rank, size, config.num_attention_heads, config.num_key_value_heads,
-            config.head_dim, config.intermediate_size, config.vocab_size,
+            config.head_dim, config.intermediate_size, config.vocab_size, splits,
         )  # fmt: skip
 
     @property
@@ -109,21 +113,22 @@ class Shard:
         return self.rank * self.local_heads // (self.num_heads // self.num_kv_heads)
 
     def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the checkpoint tensor `name` (an HF name, before q/k/v and
-        gate/up are fused): a view where it can be one."""
+        """This rank's part of the checkpoint tensor `name` (an HF name, before the packed
+        weights are fused), split as `splits` says for its module's leaf: a view where it can
+        be one."""
         parts = name.split(".")
-        module = parts[-2] if len(parts) >= 2 else ""
+        split = self.splits.get(parts[-2] if len(parts) >= 2 else "")
         d = self.head_dim
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if split == "vocab":
             return self._vocab_rows(tensor)
-        if module == "q_proj":
+        if split == "heads":
             return tensor.narrow(0, self.rank * self.local_heads * d, self.local_heads * d)
-        if module in ("k_proj", "v_proj"):
+        if split == "kv_heads":
             return tensor.narrow(0, self._kv_head_start() * d, self.local_kv_heads * d)
-        if module in ("gate_proj", "up_proj"):
-            width = self.intermediate_size // self.size
+        if split == "column":
+            width = tensor.shape[0] // self.size
             return tensor.narrow(0, self.rank * width, width)
-        if module in ("o_proj", "down_proj"):
+        if split == "row":
             if parts[-1] == "bias":
                 return tensor if self.rank == 0 else torch.zeros_like(tensor)
             width = tensor.shape[1] // self.size

@@ -25,7 +25,8 @@ import time
 import torch
 
 from conveyor.model.attention import build_attention_metadata
-from conveyor.model.runner import ModelRunner, resolve_device
+from conveyor.model.runner import ModelRunner
+from conveyor.model.runner_settings import resolve_device
 from conveyor.parallel.group import TPGroup, timeout_from_env
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,8 @@
 """Read a llama.cpp GGUF file as the loader reads an HF folder: a config.json-shaped dict and
 (HF name, tensor) pairs, every quantized tensor dequantized by the `gguf` library, or (with
 `keep_quantized`) the weights of quant_linear.QUANT_TYPES kept as the file's blocks
-(quant_linear.py).
+(quant_linear.py). Each family declares its GGUF architecture and tensor names
+(FamilySpec.gguf, model/models/spec.py); Llama's, which Qwen2 and Qwen3 share:
 
     GGUF name                 HF name
     token_embd.weight         model.embed_tokens.weight
@@ -15,7 +16,8 @@
     blk.N.ffn_{gate,up,down}.* model.layers.N.mlp.{gate,up,down}_proj.*
 
 llama.cpp's converter reorders the rows of a `llama` file's q and k weights (pairs of rotary
-dimensions interleaved, GGML's rope layout); they are put back in HF's half-split order here.
+dimensions interleaved, GGML's rope layout; `permuted_qk`); they are put back in HF's
+half-split order here.
 `rope_freqs.weight` (Llama 3.1+ files: the llama3 rope scaling as one factor per frequency,
 which llama.cpp divides each frequency by) becomes the config's `rope_freq_factors`.
 Qwen2/Qwen3 files keep HF's order. A name outside the table passes through unchanged, so the
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,36 +37,23 @@ import torch
 from conveyor.model.cpu.quant_linear import QUANT_TYPES, QuantTensor
 from conveyor.model.loading.gguf_file import GGUFFile
 from conveyor.model.loading.gguf_metadata import check_gguf_metadata, describe
+from conveyor.model.models import FAMILIES
+from conveyor.model.models.spec import GGUFNames
 
+# general.architecture -> the family's names, from the families' declarations.
+GGUF_NAMES: dict[str, GGUFNames] = {
+    cls.SPEC.gguf.architecture: cls.SPEC.gguf for cls in FAMILIES if cls.SPEC.gguf is not None
+}
 # general.architecture -> our registry's class name.
 GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+    cls.SPEC.gguf.architecture: cls.SPEC.architectures[0]
+    for cls in FAMILIES
+    if cls.SPEC.gguf is not None
 }
 # Tensor types we dequantize (all that `gguf.quants.dequantize` and our tests cover).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 GGUF_TYPES += ("Q6_K",)
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # read into the config, not a weight
 
 
@@ -119,8 +107,9 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
             )
         if len(tensor.shape) == 2:
             types[name] = types.get(name, 0) + 1
-    names = {t.name for t in reader.tensors}
-    shape = check_gguf_metadata(file, reader, arch)
+    gguf = GGUF_NAMES[arch]
+    names = {gguf.hf_name(t.name) for t in reader.tensors}
+    shape = check_gguf_metadata(file, reader, arch, gguf.gguf_name)
     config: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "gguf_architecture": arch,
@@ -134,8 +123,9 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
         "rms_norm_eps": shape.rms_norm_eps,
         "rope_theta": shape.rope_theta,
         "vocab_size": shape.vocab_size,
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,
+        "tie_word_embeddings": "lm_head.weight" not in names,
+        "attention_bias": gguf.bias_from_tensors
+        and "model.layers.0.self_attn.q_proj.bias" in names,
         "dtype": _dtype_name(types),
     }
     scaling = _field(reader, f"{arch}.rope.scaling.type")
@@ -180,18 +170,6 @@ def _dtype_name(types: dict[str, int]) -> str:
     return "float16"
 
 
-def hf_tensor_name(name: str) -> str:
-    """The HF name of a GGUF tensor name (unchanged if it is none of ours)."""
-    match = _LAYER.fullmatch(name)
-    if match:
-        layer, part, leaf = match.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{leaf}"
-        return name
-    base, _, leaf = name.rpartition(".")
-    return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else name
-
-
 def iter_gguf_tensors(
     file: str | os.PathLike[str], config: dict[str, Any], keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
@@ -206,8 +184,9 @@ def iter_gguf_tensors(
     from gguf.quants import dequantize
 
     reader = open_gguf(file)
-    unpermute = config["gguf_architecture"] == "llama"
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    gguf = GGUF_NAMES[config["gguf_architecture"]]
+    # The permuted q and k weights' head counts, by HF module leaf.
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
@@ -218,11 +197,11 @@ def iter_gguf_tensors(
             values = np.array(tensor.data, np.uint8, copy=True)
         else:  # dequantize returns float32
             values = np.array(dequantize(tensor.data, tensor.tensor_type), np.float32, copy=True)
-        match = _LAYER.fullmatch(tensor.name)
-        if unpermute and match and match.group(2) in heads:
-            values = _unpermute_rows(values, heads[match.group(2)])  # whole rows either way
+        name = gguf.hf_name(tensor.name)
+        module = name.split(".")[-2] if name.startswith("model.layers.") else ""
+        if gguf.permuted_qk and module in heads:
+            values = _unpermute_rows(values, heads[module])  # whole rows either way
         data = torch.from_numpy(values)
-        name = hf_tensor_name(tensor.name)
         yield name, QuantTensor(qtype, data, tensor.shape) if quantized else data
 
 

@@ -3,7 +3,8 @@
 The metadata sizes everything the engine builds: `block_count` layers, a rotary table of
 `context_length` rows, heads of `embedding_length / head_count` values. A value that does not
 match the tensors would build a model the weights cannot fill (or one of 2^31 layers), so
-each is checked against the tensor shapes it implies (numpy order: rows first):
+each is checked against the tensor shapes it implies (numpy order: rows first; Llama's names,
+which a family's GGUFNames may rename):
 
     token_embd.weight        [vocab, embedding_length]       output.weight: the same
     blk.N.attn_q.weight      [head_count * head_dim, embedding_length]
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +69,24 @@ def describe(value: Any) -> str:
 
 
 class _Checker:
-    def __init__(self, file: str | os.PathLike[str], reader: GGUFFile, arch: str) -> None:
+    def __init__(
+        self,
+        file: str | os.PathLike[str],
+        reader: GGUFFile,
+        arch: str,
+        gguf_name: Callable[[str], str],
+    ) -> None:
         self.file, self.metadata, self.arch = file, reader.metadata, arch
         self.tensors = {t.name: t for t in reader.tensors}
+        self.embed = gguf_name("model.embed_tokens.weight")
+        self.output = gguf_name("lm_head.weight")
+        layer = "model.layers.0."
+        leaves = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
+        modules = ("self_attn.",) * 3 + ("mlp.",) * 3
+        self.layer0 = {
+            leaf: gguf_name(f"{layer}{module}{leaf}.weight")
+            for module, leaf in zip(modules, leaves, strict=True)
+        }
 
     def fail(self, key: str, value: Any, should: str) -> ValueError:
         return ValueError(f"GGUF file {self.file}: {key} is {describe(value)}; {should}.")
@@ -124,9 +141,12 @@ class _Checker:
 
 
 def check_gguf_metadata(
-    file: str | os.PathLike[str], reader: GGUFFile, arch: str
+    file: str | os.PathLike[str], reader: GGUFFile, arch: str, gguf_name: Callable[[str], str]
 ) -> GGUFModelShape:
     """Check the model metadata of `reader` (architecture `arch`) against its tensors.
+
+    Args:
+        gguf_name: the family's GGUF tensor name of an HF name (GGUFNames.gguf_name).
 
     Returns:
         The checked values.
@@ -134,16 +154,17 @@ def check_gguf_metadata(
         ValueError: the first value that is missing, of the wrong type, out of range or
             inconsistent with the tensors (one line: key, value, what it should be).
     """
-    c = _Checker(file, reader, arch)
-    embed = c.tensor("token_embd.weight")
+    c = _Checker(file, reader, arch, gguf_name)
+    t = c.layer0  # layer 0's weights' names, by HF leaf
+    embed = c.tensor(c.embed)
     if len(embed.shape) != 2:
         raise ValueError(
-            f"GGUF file {file}: token_embd.weight has shape {list(embed.shape)}; it should be "
+            f"GGUF file {file}: {c.embed} has shape {list(embed.shape)}; it should be "
             "[vocab, embedding_length]."
         )
     vocab = embed.shape[0]
     hidden = c.integer("embedding_length", 0, 1 << 62)  # the tensor says what it should be
-    c.match("embedding_length", hidden, "token_embd.weight", 1)
+    c.match("embedding_length", hidden, c.embed, 1)
     c.integer("embedding_length", 1, 1 << 20)
     layers = sorted({int(m.group(1)) for n in c.tensors if (m := _BLOCK.match(n))})
     blocks = c.integer("block_count", 1, 1 << 62)
@@ -182,22 +203,22 @@ def check_gguf_metadata(
         raise c.fail(key_length, head_dim, "rotary embeddings need an even head size")
     c.same("attention.value_length", head_dim, "conveyor needs values as wide as keys")
     c.same("rope.dimension_count", head_dim, "rotary embeddings over the whole head")
-    c.match("attention.head_count", heads, "blk.0.attn_q.weight", 0, head_dim)
-    c.match("attention.head_count_kv", kv_heads, "blk.0.attn_k.weight", 0, head_dim)
-    c.match("attention.head_count_kv", kv_heads, "blk.0.attn_v.weight", 0, head_dim)
-    for part in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"):
-        c.match("embedding_length", hidden, f"blk.0.{part}.weight", 1)
+    c.match("attention.head_count", heads, t["q_proj"], 0, head_dim)
+    c.match("attention.head_count_kv", kv_heads, t["k_proj"], 0, head_dim)
+    c.match("attention.head_count_kv", kv_heads, t["v_proj"], 0, head_dim)
+    for leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        c.match("embedding_length", hidden, t[leaf], 1)
     ffn = c.integer("feed_forward_length", 0, 1 << 62)  # the tensors say what it should be
-    for part in ("ffn_gate", "ffn_up"):
-        c.match("feed_forward_length", ffn, f"blk.0.{part}.weight", 0)
-    c.match("feed_forward_length", ffn, "blk.0.ffn_down.weight", 1)
+    for leaf in ("gate_proj", "up_proj"):
+        c.match("feed_forward_length", ffn, t[leaf], 0)
+    c.match("feed_forward_length", ffn, t["down_proj"], 1)
     c.integer("feed_forward_length", 1, 1 << 20)
-    c.same("vocab_size", vocab, "token_embd.weight's rows")
-    c.match("embedding_length", hidden, "output.weight", 1)
-    output = c.tensors.get("output.weight")
+    c.same("vocab_size", vocab, f"{c.embed}'s rows")
+    c.match("embedding_length", hidden, c.output, 1)
+    output = c.tensors.get(c.output)
     if output is not None and output.shape[0] != vocab:
         raise ValueError(
-            f"GGUF file {file}: output.weight has {output.shape[0]} rows but token_embd.weight "
+            f"GGUF file {file}: {c.output} has {output.shape[0]} rows but {c.embed} "
             f"{vocab}; both should have one per token."
         )
     _check_tokens(c, vocab)
@@ -233,7 +254,7 @@ def _check_tokens(c: _Checker, vocab: int) -> None:
     if len(tokens) != vocab:
         raise ValueError(
             f"GGUF file {c.file}: tokenizer.ggml.tokens lists {len(tokens)} tokens but "
-            f"token_embd.weight has {vocab} rows; they should be equal."
+            f"{c.embed} has {vocab} rows; they should be equal."
         )
     merges = c.metadata.get("tokenizer.ggml.merges")
     if merges is not None and (

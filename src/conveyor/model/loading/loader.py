@@ -1,8 +1,10 @@
 """Load an HF checkpoint directory (config.json + *.safetensors) into our modules.
 
-The class comes from `config.json["architectures"][0]` through `MODEL_REGISTRY`; a new family
-is one module plus registry lines. The model is built on the meta device (no random init),
-then every parameter is assigned from the checkpoint, converted to the target dtype/device:
+The class comes from `config.json["architectures"]` through `MODEL_REGISTRY`, read from the
+families' declarations (model/models/__init__.py's FAMILIES, each class's `SPEC`: its
+architecture names, config names, fused weights and tensor-parallel splits). The model is
+built on the meta device (no random init), then every parameter is assigned from the
+checkpoint, converted to the target dtype/device (Llama's names):
 
     HF name                                   ours
     model.layers.N.self_attn.{q,k,v}_proj.*   model.layers.N.self_attn.qkv_proj.*  (cat dim 0)
@@ -28,7 +30,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -38,11 +40,14 @@ from tqdm.auto import tqdm
 from conveyor.engine.config import DTYPES
 from conveyor.model.attention import get_attention_backend
 from conveyor.model.cpu import cpu_build, cpu_kernels
+from conveyor.model.cpu.fused_layers import FusedLayers
+from conveyor.model.cpu.linear import linear_factory, pack_linears
 from conveyor.model.cpu.quant_linear import (
     QUANT_TYPES,
     QuantEmbedding,
     QuantTensor,
     quantized_module,
+    set_activation_passes,
 )
 from conveyor.model.loading.checkpoint import find_gguf_file, read_config_json
 from conveyor.model.loading.gguf_loader import (
@@ -51,29 +56,25 @@ from conveyor.model.loading.gguf_loader import (
     read_gguf_config,
     release_gguf,
 )
+from conveyor.model.loading.model_config import ModelConfig
 from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_tensors
-from conveyor.model.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    ModelConfig,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from conveyor.model.models import FAMILIES
+from conveyor.model.models.layers import use_cpu_kernels
+from conveyor.model.models.llama import LlamaForCausalLM
 from conveyor.parallel.sharding import Shard
+
+if TYPE_CHECKING:
+    from conveyor.engine.config import EngineConfig
+    from conveyor.model.cpu.cpu_kernels import CpuKernels
+    from conveyor.model.runner_settings import RunnerSettings
 
 logger = logging.getLogger(__name__)
 
+# config.json architecture -> class: each family's own name first, then the other names it
+# serves (the bare decoders, no head: embedding checkpoints saved from AutoModel).
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    # The bare decoders (no head): embedding checkpoints saved from AutoModel.
-    "LlamaModel": LlamaForCausalLM,
-    "MistralModel": MistralForCausalLM,
-    "Qwen2Model": Qwen2ForCausalLM,
-    "Qwen3Model": Qwen3ForCausalLM,
-}
+    name: cls for cls in FAMILIES for name in cls.SPEC.architectures[:1]
+} | {name: cls for cls in FAMILIES for name in cls.SPEC.architectures[1:]}
 
 # The one name -> dtype table: EngineConfig's dtype names, "auto" aside (resolve_dtype).
 _DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in DTYPES if n != "auto"}
@@ -99,6 +100,13 @@ def resolve_model_class(hf_config: dict[str, Any]) -> type[LlamaForCausalLM]:
     raise ValueError(
         f"Unsupported architecture {archs or None}; supported: {', '.join(MODEL_REGISTRY)}."
     )
+
+
+def model_config(hf_config: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of a checkpoint's config dict, read with its family's config names
+    (ValueError for an unsupported architecture or config)."""
+    cls = resolve_model_class(hf_config)
+    return ModelConfig.from_hf_config(hf_config, cls.SPEC.config_names)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -211,9 +219,9 @@ def load_model(
     hf_config = read_hf_config(path)
     cls = resolve_model_class(hf_config)
     dtype = resolve_dtype(dtype, device, hf_config)
-    config = ModelConfig.from_hf_config(hf_config)
+    config = ModelConfig.from_hf_config(hf_config, cls.SPEC.config_names)
     gguf_file = find_gguf_file(path)
-    shard = None if tp is None else Shard.of(config, tp.rank, tp.size)
+    shard = None if tp is None else Shard.of(config, tp.rank, tp.size, cls.SPEC.tp_splits)
     if gguf_file is not None and shard is not None:
         raise ValueError(
             "tensor_parallel_size > 1 is not supported for GGUF models; use an HF safetensors "
@@ -254,6 +262,42 @@ def load_model(
             if buf.is_floating_point():
                 buf.data = buf.data.to(dtype)
     return model.eval()
+
+
+def load_weights(
+    path: str | Path, settings: RunnerSettings, config: EngineConfig, tp: Any = None
+) -> tuple[LlamaForCausalLM, CpuKernels | None]:
+    """Start-up, step 2 of 4 (model/runner.py): the runner's model, loaded (load_model) as
+    `settings` say, its linears packed for their GEMM and, on CPU with the C kernels, its
+    norms, rotary and decoder layers put on them.
+
+    Returns:
+        the model, and the C kernels its forward runs on (None: torch).
+    """
+    s = settings
+    # Our C kernels run the linears: a GGUF file's QUANT_TYPES blocks stay as they are.
+    model = load_model(
+        path, s.dtype, s.device, s.attention_backend, tp=tp,
+        keep_quantized=s.linear_backend == "cpu", linear_dtype=s.weight_dtype,
+    )  # fmt: skip
+    set_activation_passes(model, config.quant_activation_passes)
+    if s.linear_backend in ("onednn", "cpu"):
+        pack_linears(model, linear_factory(s.linear_backend, s.weight_dtype))
+    logger.info("Weights in memory: %.1f MiB.", weight_bytes(model) / 2**20)
+    # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
+    # the rotary embedding and the sampler's argmax; attention_backend "torch" keeps the
+    # forward and the sampler in torch.
+    if s.device.type != "cpu" or s.attention_backend not in ("auto", "cpu"):
+        return model, None
+    kernels = cpu_kernels.load()
+    if kernels is None or s.dtype != torch.float32:
+        return model, None
+    use_cpu_kernels(model, kernels)
+    if hasattr(model, "fused_layers"):
+        model.fused_layers = FusedLayers.build(model, kernels)
+        if model.fused_layers is not None:
+            logger.info("Decoder layers: one C call a step (csrc/decoder_layers.c).")
+    return model, kernels
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -298,7 +342,7 @@ def _assign_weights(
     that was copied (converted, moved or concatenated) is released right after, so the
     weights are in memory about once during the load."""
     expected = dict(model.named_parameters())
-    packed = model.PACKED_MODULES
+    packed = model.SPEC.packed_modules
     shard_counts: dict[str, int] = {}
     for fused, index in packed.values():
         shard_counts[fused] = max(shard_counts.get(fused, 0), index + 1)

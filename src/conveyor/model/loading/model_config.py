@@ -3,6 +3,7 @@ layers use a sliding window (`layer_windows`). Pure Python: no torch import."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,13 +34,22 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+    def from_hf_config(
+        cls, hf: dict[str, Any], names: Mapping[str, str] | None = None
+    ) -> ModelConfig:
         """Build from a config.json dict (transformers 4 or 5 rope fields).
 
         transformers 5 writes `rope_parameters` {rope_type, rope_theta, factor, ...};
         transformers 4 writes `rope_theta` plus an optional `rope_scaling` dict ("type" or
         "rope_type"). Both are accepted.
+
+        Args:
+            names: the family's config names (FamilySpec.config_names): field -> the key its
+                config.json uses for it, read when present (a GGUF file's config dict uses
+                the fields' own names).
         """
+        if names:
+            hf = {**hf, **{ours: hf[theirs] for ours, theirs in names.items() if theirs in hf}}
         archs = hf.get("architectures") or []
         windows = layer_windows(hf)
         if not archs:

@@ -1,9 +1,11 @@
 """Llama-family decoders: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
 
 Module names mirror transformers' (`model.layers.N.self_attn...`) except two fused GEMMs:
-`qkv_proj` = cat(q_proj, k_proj, v_proj) and `mlp.gate_up_proj` = cat(gate_proj, up_proj);
-`PACKED_MODULES` tells the loader how to build them. Residual adds are fused into the
-following RMSNorm, so a layer passes (hidden, residual) along.
+`qkv_proj` = cat(q_proj, k_proj, v_proj) and `mlp.gate_up_proj` = cat(gate_proj, up_proj).
+Residual adds are fused into the following RMSNorm, so a layer passes (hidden, residual) along.
+Each class's `SPEC` (models/spec.py) declares what the loader, the tensor-parallel split and
+the GGUF reader need: its config.json names, the fused weights, each weight's split, and its
+GGUF tensor names.
 
 Sliding-window attention: `ModelConfig.layer_windows` gives each layer's window (None: full
 attention), as transformers decides it (Mistral's `sliding_window` on every layer, Qwen2/3's
@@ -14,6 +16,7 @@ included), which every attention backend applies; requests may run past the wind
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -28,7 +31,57 @@ from conveyor.model.attention import (
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.loading.model_config import ModelConfig  # also imported from here by callers
 from conveyor.model.models.layers import GatedMLP, RMSNorm, RopeStep, RotaryEmbedding
+from conveyor.model.models.spec import FamilySpec, GGUFNames
 from conveyor.parallel.sharding import VocabParallelEmbedding
+
+# llama.cpp's tensor names (the same for its llama, qwen2 and qwen3 files).
+LLAMA_GGUF = GGUFNames(
+    architecture="llama",
+    layer_names={
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+    global_names={
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+    },
+    permuted_qk=True,
+    bias_from_tensors=True,
+)
+
+LLAMA = FamilySpec(
+    # The bare decoder (no head): embedding checkpoints saved from AutoModel.
+    architectures=("LlamaForCausalLM", "LlamaModel"),
+    packed_modules={
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    },
+    tp_splits={
+        "q_proj": "heads",
+        "k_proj": "kv_heads",
+        "v_proj": "kv_heads",
+        "o_proj": "row",
+        "gate_proj": "column",
+        "up_proj": "column",
+        "down_proj": "row",
+        "embed_tokens": "vocab",
+        "lm_head": "vocab",
+    },  # the norms (Qwen3's q/k norms included) are replicated
+    gguf=LLAMA_GGUF,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -127,14 +180,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama decoder over a paged KV cache. Subclasses only change per-family flags."""
 
-    # HF module name -> (our fused module, shard index); the loader concatenates shards.
-    PACKED_MODULES: ClassVar[dict[str, tuple[str, int]]] = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    SPEC: ClassVar[FamilySpec] = LLAMA
     force_qkv_bias: ClassVar[bool] = False  # Qwen2: q/k/v always have bias, o_proj none
     qk_norm: ClassVar[bool] = False  # Qwen3: RMSNorm per head on q and k before rope
 
@@ -220,12 +266,32 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same graph as Llama (its sliding window: see the module docstring)."""
+    """Same graph as Llama (its sliding window: see the module docstring). llama.cpp writes
+    Mistral GGUF files as `llama` ones."""
+
+    SPEC = dataclasses.replace(
+        LLAMA, architectures=("MistralForCausalLM", "MistralModel"), gguf=None
+    )
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    # Rows in HF's order; q/k/v always have a bias (force_qkv_bias), o_proj none.
+    SPEC = dataclasses.replace(
+        LLAMA,
+        architectures=("Qwen2ForCausalLM", "Qwen2Model"),
+        gguf=dataclasses.replace(
+            LLAMA_GGUF, architecture="qwen2", permuted_qk=False, bias_from_tensors=False
+        ),
+    )
     force_qkv_bias = True
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    SPEC = dataclasses.replace(
+        LLAMA,
+        architectures=("Qwen3ForCausalLM", "Qwen3Model"),
+        gguf=dataclasses.replace(
+            LLAMA_GGUF, architecture="qwen3", permuted_qk=False, bias_from_tensors=False
+        ),
+    )
     qk_norm = True

@@ -1,0 +1,89 @@
+"""What a decoder family declares about itself, read by the loader, the tensor-parallel split
+and the GGUF reader (each family's class holds one `FamilySpec` as `SPEC`). Pure Python.
+
+    FamilySpec field   read by                          says
+    architectures      loading/loader.py MODEL_REGISTRY the config.json `architectures` names
+                                                        it serves (its own first)
+    config_names       loading/model_config.py          ModelConfig fields its config.json
+                                                        names differently
+    packed_modules     loading/loader.py                checkpoint weights fused into one
+                                                        module (HF leaf -> (ours, index))
+    tp_splits          parallel/sharding.py Shard       how tensor parallelism splits each
+                                                        weight, by module leaf (SPLITS)
+    gguf               loading/gguf_loader.py           its llama.cpp architecture and tensor
+                                                        names (None: no GGUF files)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# How tensor parallelism splits a weight [out, in] (parallel/sharding.py; a leaf not named is
+# replicated):
+#   heads     rows, this rank's query heads            kv_heads  rows, this rank's KV heads
+#   column    rows, an equal share                     row       columns, an equal share (its
+#   vocab     rows, ceil(V / N) each, zero-padded                bias added by rank 0 only)
+SPLITS = ("heads", "kv_heads", "column", "row", "vocab")
+
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFNames:
+    """A family's llama.cpp GGUF file: its `general.architecture` and tensor names."""
+
+    architecture: str
+    # blk.N.<key>.{weight,bias} -> model.layers.N.<value>.{weight,bias}
+    layer_names: Mapping[str, str]
+    # <key>.{weight,bias} -> <value>.{weight,bias}
+    global_names: Mapping[str, str]
+    # llama.cpp's converter interleaved the rotary halves of q and k's rows (GGML's rope
+    # order); the reader puts them back in HF's order.
+    permuted_qk: bool = False
+    # config.json's attention_bias: whether the file has a q_proj bias (else False).
+    bias_from_tensors: bool = False
+
+    def hf_name(self, name: str) -> str:
+        """The HF name of a GGUF tensor name (unchanged if it is none of ours)."""
+        match = _LAYER.fullmatch(name)
+        if match:
+            layer, part, leaf = match.groups()
+            if part in self.layer_names:
+                return f"model.layers.{layer}.{self.layer_names[part]}.{leaf}"
+            return name
+        base, _, leaf = name.rpartition(".")
+        return f"{self.global_names[base]}.{leaf}" if base in self.global_names else name
+
+    def gguf_name(self, hf_name: str) -> str:
+        """The GGUF name of an HF tensor name (the inverse of hf_name)."""
+        base, _, leaf = hf_name.rpartition(".")
+        for ours, theirs in self.global_names.items():
+            if theirs == base:
+                return f"{ours}.{leaf}"
+        prefix, _, rest = base.partition(".layers.")
+        layer, _, module = rest.partition(".")
+        for ours, theirs in self.layer_names.items():
+            if prefix == "model" and theirs == module:
+                return f"blk.{layer}.{ours}.{leaf}"
+        return hf_name
+
+
+@dataclass(frozen=True, slots=True)
+class FamilySpec:
+    """One decoder family's declarations (see the module docstring)."""
+
+    architectures: tuple[str, ...]
+    # HF module leaf -> (our fused module, shard index); the loader concatenates the shards.
+    packed_modules: Mapping[str, tuple[str, int]]
+    # HF module leaf -> one of SPLITS; leaves not named are replicated.
+    tp_splits: Mapping[str, str]
+    # ModelConfig field -> the config.json key this family uses for it.
+    config_names: Mapping[str, str] = field(default_factory=dict)
+    gguf: GGUFNames | None = None
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.tp_splits.values()) - set(SPLITS))
+        if unknown:
+            raise ValueError(f"tp_splits kinds {unknown} are none of {', '.join(SPLITS)}.")
