@@ -15,7 +15,6 @@ from tests.hf_checkpoints import write_checkpoint
 from conveyor import LLM, SamplingParams
 from conveyor.model.cpu import cpu_kernels
 from conveyor.model.cpu.fused_layers import FusedLayers
-from conveyor.model.cpu.quant_linear import GEMM_ROWS
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
 
@@ -67,9 +66,10 @@ def test_one_call_for_every_layer_is_bit_for_bit_the_modules(case, tmp_path, tin
     fused._call = lambda *a: calls.append(a[3]._obj.t) or real(*a)
     got = _run(llm, fused=True)
     assert calls, "no step ran fused"
-    if CASES[case][2] is not None:
-        # GGUF blocks: GEMM_ROWS+ rows take the dequantized GEMM (the modules)
-        assert max(calls) < GEMM_ROWS
+    if CASES[case][2] is not None and fused._gemm_rows is not None:
+        # GGUF blocks where the kernels take one row at a time: from gemm_rows rows a step
+        # takes the dequantized GEMM (the modules)
+        assert max(calls) < fused._gemm_rows
     assert got == _run(llm, fused=False)  # token ids and every logprob, exactly
 
 

@@ -93,10 +93,11 @@ def test_quant_linear_matches_its_dequantized_weight(kernels, qtype, rows, n, k,
     w = weight.dequantize()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
     bias = nn.Parameter(torch.randn(n), requires_grad=False)
+    layer = QuantLinear([weight], bias, kernels, passes=passes)
     with torch.inference_mode():
-        got = QuantLinear([weight], bias, kernels, passes=passes)(x)
+        got = layer(x)
         exact = x @ w.T + bias
-    if rows >= GEMM_ROWS:  # prefill-sized: the dequantized weight in a float32 GEMM
+    if layer.gemm_rows is not None and rows >= layer.gemm_rows:  # the dequantized GEMM
         assert_same_up_to_fp32_order(got, x, w, bias)
         return
     xq, half_step = _quantize(x, passes)
@@ -148,7 +149,26 @@ def test_tiles_of_activation_rows_match_one_row_at_a_time_and_the_reference(
     assert torch.all((got - exact).abs() <= (half_step @ w.abs().T) * 1.001 + 2e-5)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_a_long_prefill_takes_the_integer_kernels_where_they_tile(kernels, qtype):
+    """On AVX-512 the kernels beat the dequantized GEMM at every row count, so a prefill of
+    GEMM_ROWS or more rows stays on them: each row bit for bit what it gets alone."""
+    k = width(qtype, 96)
+    layer = QuantLinear([random_blocks(qtype, 21, k, seed=4)], None, kernels)
+    if kernels.linear_isa not in ("avx512", "avx512-bf16"):
+        assert layer.gemm_rows == GEMM_ROWS
+        pytest.skip(f"the {kernels.linear_isa} kernels take one row at a time")
+    assert layer.gemm_rows is None
+    x = torch.randn(GEMM_ROWS + 44, k, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        together = layer(x)
+        for i in (0, 1, 255, 256, 299):
+            assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), i
+
+
 def test_a_prefill_gemm_slices_the_weight_and_adds_the_bias(kernels, monkeypatch):
+    """Where the kernels take one activation row at a time (AVX2, portable), a long prefill
+    dequantizes the weight by slices into a float32 GEMM."""
     import conveyor.model.cpu.quant_linear as ql
 
     monkeypatch.setattr(ql, "_GEMM_SLICE", 24)  # 3 slices of 24 weight rows and one of 8
@@ -156,8 +176,10 @@ def test_a_prefill_gemm_slices_the_weight_and_adds_the_bias(kernels, monkeypatch
     w = torch.cat([p.dequantize() for p in parts])
     bias = nn.Parameter(torch.randn(80), requires_grad=False)
     x = torch.randn(GEMM_ROWS + 5, 256, generator=torch.Generator().manual_seed(3))
+    layer = QuantLinear(parts, bias, kernels)
+    layer.gemm_rows = GEMM_ROWS  # the path of a build whose kernels take one row at a time
     with torch.inference_mode():
-        got = QuantLinear(parts, bias, kernels)(x)
+        got = layer(x)
     assert_same_up_to_fp32_order(got, x, w, bias)
 
 

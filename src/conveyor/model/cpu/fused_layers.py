@@ -13,7 +13,8 @@ per-head q/k norm) on our C kernels: RMSNorm, rotary and silu * up in C, the "cp
 backend on a float32 or bfloat16 cache, and every linear a CpuLinear (float32 or bfloat16
 panels) or a QuantLinear (GGUF blocks); no tensor parallelism. A step qualifies when its
 activations are float32, every attention row is the kernel's (no chunk long enough for SDPA)
-and, with GGUF blocks, it has fewer than GEMM_ROWS tokens (longer ones dequantize into a
+and, with GGUF blocks on a build whose quantized kernels take one row at a time (AVX2,
+portable), it has fewer than quant_linear.GEMM_ROWS tokens (longer ones dequantize into a
 float32 GEMM). Anything else runs the modules, as before.
 """
 
@@ -29,7 +30,7 @@ from torch import nn
 from conveyor.model.attention.cpu_attention import CpuAttentionBackend, _CpuPlan, _make_plan
 from conveyor.model.attention.torch_attention import step_plan
 from conveyor.model.cpu.linear import CpuLinear
-from conveyor.model.cpu.quant_linear import _Q8A_BYTES, BLOCK, GEMM_ROWS, QuantLinear
+from conveyor.model.cpu.quant_linear import _Q8A_BYTES, BLOCK, QuantLinear
 from conveyor.model.models.layers import GatedMLP, RMSNorm
 
 if TYPE_CHECKING:
@@ -162,6 +163,8 @@ class FusedLayers:
         self._max_position = self._cos_sin.shape[0]
         quant = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)]
         self._quantized = bool(quant)
+        # a step this long runs the modules (their dequantized GEMM); None: any length
+        self._gemm_rows = quant[0].gemm_rows if quant else None
         self._passes_of = quant[0] if quant else None
         self._widest_k = max(cfg.hidden_size, cfg.intermediate_size, self.hq * self.d)
         self._caches_of: tuple[int, int] | None = None  # (id, first pointer) described
@@ -231,7 +234,7 @@ class FusedLayers:
         t = x.shape[0]
         if (
             t == 0
-            or (self._quantized and t >= GEMM_ROWS)
+            or (self._gemm_rows is not None and t >= self._gemm_rows)
             or x.dtype != torch.float32
             or x.dim() != 2
             or not x.is_contiguous()

@@ -36,11 +36,12 @@ QUANT_TYPES = {
     "Q6_K": (14, 256, 210),
 }
 BLOCK = 32  # activations are quantized per 32
-# From this many rows of x (a long prefill chunk) a QuantLinear dequantizes its weight, a slice
-# of rows at a time, and multiplies in float32 (oneDNN's GEMM). Below it the integer kernels
-# run: they cost about the same per row of x as the GEMM, but the GEMM first writes the whole
-# weight out in float32 each call, which fewer rows than this do not earn back (K-quants,
-# Q8_0, two activation passes, two AVX-512 cores; Q6_K breaks even a little above).
+# From this many rows of x (a long prefill chunk) a QuantLinear on a build whose quantized
+# kernels take one activation row at a time (AVX2, portable) dequantizes its weight, a slice
+# of rows at a time, and multiplies in float32 (oneDNN's GEMM): the integer kernels cost about
+# the same per row as the GEMM there, and the GEMM's dequantization is earned back by this
+# many rows. The AVX-512 kernels unpack each weight load once for a tile of rows and beat the
+# dequantized GEMM at every row count (docs/kernels.md#measured-choices): no threshold there.
 GEMM_ROWS = 256
 _GEMM_SLICE = 1024  # weight rows dequantized at a time (1024 x 4096 floats: 16 MiB)
 _Q8A_BYTES = 40  # one activation block: float d, float s, int8 q[32]
@@ -132,6 +133,12 @@ def _interleaved_pieces(qtype: str, b: np.ndarray) -> list[np.ndarray]:
     return [*pieces, _quads(b[..., -128:], 32)]
 
 
+def gemm_rows(kernels: Any) -> int | None:
+    """The row count from which a QuantLinear on `kernels` dequantizes its weight into a
+    float32 GEMM, or None: the integer kernels take every row count."""
+    return None if kernels.linear_isa in ("avx512", "avx512-bf16") else GEMM_ROWS
+
+
 def interleave_groups(weight: QuantTensor) -> QuantTensor:
     """A weight's bytes as csrc/quant_x8.c and quant_k.c read them: uint8 [ceil(rows / 16),
     group bytes], each group of sixteen rows (zero rows pad the last) block by block, each
@@ -193,6 +200,7 @@ class QuantLinear(nn.Module):
         # Activation rows per pass over the unpacked weights (1 .. MAX_TILE; 1: one row at a
         # time, the path before tiles, kept for tests and benchmarks: the same results).
         self.max_tile = MAX_TILE
+        self.gemm_rows = gemm_rows(kernels)  # None: never the dequantized GEMM
         self._quantize = kernels.fns["conveyor_quantize_q8a_f32"]
         self._linear = kernels.fns["conveyor_quant_linear_tiled_f32"]
         self._rows = kernels.fns["conveyor_quant_rows_f32"]
@@ -228,7 +236,7 @@ class QuantLinear(nn.Module):
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         m, threads, passes = rows.shape[0], torch.get_num_threads(), self.passes
-        if m >= GEMM_ROWS:
+        if self.gemm_rows is not None and m >= self.gemm_rows:
             return self._gemm(rows, threads).view(*x.shape[:-1], self.out_features)
         out = torch.empty(m, self.out_features, dtype=torch.float32)
         if m:

@@ -8,8 +8,8 @@
  * allocation and a ctypes call: on a small model as much as its weights take to read
  * (docs/kernels.md#measured-choices). model/cpu/fused_layers.py builds the per-layer descriptors once
  * and calls this once a step when the step qualifies (float32 activations, no tensor
- * parallelism, every attention row on the C kernel, fewer than GEMM_ROWS rows for GGUF
- * blocks); anything else runs the modules.
+ * parallelism, every attention row on the C kernel, GGUF blocks under quant_linear.py's
+ * threshold where it has one); anything else runs the modules.
  *
  * One layer, x [t, hidden] coming in and the residual stream r [t, hidden]:
  *   layer 0: r = x, x = rms_norm(r) * w_in       (the caller passes the embedding as r)
