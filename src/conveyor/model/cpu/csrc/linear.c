@@ -330,6 +330,10 @@ MICRO_DP(1, WIDE_P, wide1_dp)
 #define TR 8
 #define TP 3
 #define TQ 128 /* pairs per block: TP panels x 128 pairs x 64 B = 24 KiB, in L1 with x's */
+/* From this many rows (a prefill chunk); a decode step's few rows stream the weights from
+ * memory, where the micro-kernels' prefetching 16 x 1 blocks are as fast or faster
+ * (docs/kernels.md#measured-choices). */
+#define TILE_MIN_ROWS 64
 static void tile_dp(const uint32_t *xp, int64_t pstride, const uint16_t *panel, int64_t pairs,
                     const float *bias, int first, float *o, int64_t ldo, int rows)
 {
@@ -404,7 +408,7 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
         }
         /* whole groups of TP full panels through tile_dp, TR rows at a time; the rest
          * (the last panels, a remainder of rows) through the micro-kernels */
-        const int64_t full = n / NR, groups = mb >= TR ? full / TP : 0;
+        const int64_t full = n / NR, groups = mb >= TILE_MIN_ROWS ? full / TP : 0;
         #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t p = g * TP;
