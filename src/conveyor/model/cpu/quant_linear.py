@@ -154,8 +154,8 @@ def interleave_groups(weight: QuantTensor) -> QuantTensor:
     blocks[:rows] = weight.data.numpy().reshape(rows, nb, block_bytes)
     pieces = _interleaved_pieces(weight.qtype, blocks.reshape(groups, GROUP, nb, block_bytes))
     # Written into a torch allocation: 64-byte aligned, as the kernels' 64-byte loads of a
-    # group's quads want (numpy's 16-byte alignment split every load across two cache lines:
-    # Q6_K at 2 activation rows and up ran 3-5x slower).
+    # group's quads want (numpy's 16-byte alignment split every load across two cache lines,
+    # which made the kernels far slower: docs/kernels.md#measured-choices).
     data = torch.empty(groups, nb * _GROUP_BYTES[weight.qtype], dtype=torch.uint8)
     np.concatenate(pieces, axis=2, out=data.numpy().reshape(groups, nb, -1))
     return QuantTensor(weight.qtype, data, weight.shape, interleaved=True)

@@ -110,7 +110,7 @@ static inline __m512i bcast4(const int8_t *q)
  * lines in `slots` steps (its loads of quants), and at step `slot` prefetch line slot (and
  * slot + slots, ...) of the block that far ahead, so every line of it is asked for once,
  * spread between the loads. One activation row streams the weights faster than the
- * hardware prefetchers fetch them (Q4_K 1.2x, Q5_K 1.6x faster with it on a Zen 4 core);
+ * hardware prefetchers fetch them (docs/kernels.md#measured-choices);
  * with a tile of rows the kernels are compute-bound and it costs next to nothing. */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 8192
