@@ -162,7 +162,6 @@ class FusedLayers:
         self._cos_sin = rope.cos_sin_cache
         self._max_position = self._cos_sin.shape[0]
         quant = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)]
-        self._quantized = bool(quant)
         # a step this long runs the modules (their dequantized GEMM); None: any length
         self._gemm_rows = quant[0].gemm_rows if quant else None
         self._passes_of = quant[0] if quant else None
