@@ -1,8 +1,9 @@
-"""Single-stream decode speed on a GGUF file: TPOT, CPU time a token, and one step's linears.
+"""Single-stream decode speed against the memory floor: TPOT, CPU time a token, one step's linears.
 
-For comparing with `llama-bench -m FILE -p 0 -n 64 -t T` on the same file. Per activation pass
-count (1: llama.cpp's arithmetic, 2: the default), after a warm-up, each repeat times a
-1-token and an (n + 1)-token greedy `LLM.generate` (ignore_eos) and takes the difference / n:
+On a GGUF file (for comparing with `llama-bench -m FILE -p 0 -n 64 -t T`) or a checkpoint
+folder in --dtype (issue 28's bf16 floor). Per activation pass count (GGUF only; 1: llama.cpp's
+arithmetic, 2: the default), after a warm-up, each repeat times a 1-token and an
+(n + 1)-token greedy `LLM.generate` (ignore_eos) and takes the difference / n:
 
     tpot_ms        wall time a token (min over repeats)
     cpu_ms         the process's CPU time a token, all threads (min over repeats): on a shared
@@ -10,10 +11,16 @@ count (1: llama.cpp's arithmetic, 2: the default), after a warm-up, each repeat 
                    does not (with one thread it is the kernels' own cost)
     linears_ms     every QuantLinear of the model once on a random row, back to back (the
                    decode step's linears and the head; min over 3 x repeats), wall and CPU
+    floor_ms       the memory floor of a token: the bytes a decode step reads (every weight
+                   in memory, as loaded, but the embedding table, of which it reads one row,
+                   unless the head shares it) / the read bandwidth (a 512 MiB tensor's sum on
+                   torch's threads, best of the samples taken right after each repeat)
+    tpot_to_floor  tpot_ms / floor_ms (issue 28's single-stream target: at most 1.2 in bf16)
 
 Threads: torch's (set OMP_NUM_THREADS, or --threads).
 
     python benchmarks/gguf_decode.py --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 1
+    python benchmarks/gguf_decode.py --model SMOLLM2_FOLDER --dtype bfloat16
 
 --kernels (no model file): one decoder layer's quantized linears (qkv, o, gate_up, down at
 --shape's hidden, intermediate and kv widths; default TinyLlama-1.1B's 2048 5632 256) in each
@@ -42,6 +49,7 @@ import numpy as np
 import torch
 
 from conveyor import LLM, SamplingParams
+from conveyor.bench.sibling import load_sibling
 from conveyor.model.cpu.quant_linear import QuantLinear
 
 PROMPT = [[1, 415, 5565, 349, 264]]
@@ -53,20 +61,40 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int) -> dict:
-    llm = LLM(model, num_kv_blocks=kv_blocks, dtype="float32", quant_activation_passes=passes)
+def bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of every weight a decode step reads: all of the model's tensors (each storage
+    once) but those only the embedding table holds (a step reads one row of it)."""
+    embed = "model.embed_tokens."
+    storages: dict[int, int] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.startswith(embed):
+            continue
+        key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
+        size = t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
+        storages[key] = size
+    if getattr(model, "lm_head", None) is None:  # tied: the logits read the whole table
+        for t in model.model.embed_tokens.parameters():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, dtype: str) -> dict:
+    llm = LLM(model, num_kv_blocks=kv_blocks, dtype=dtype, quant_activation_passes=passes)
+    bandwidth = load_sibling(__file__, "linear_bf16").read_bandwidth_gbps
 
     def gen(n: int) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         llm.generate(PROMPT, params, use_tqdm=False)
 
     gen(4)  # warm-up: the kernels' build, the first step's allocations
-    tpot, cpu = [], []
+    tpot, cpu, gbps = [], [], []
     for _ in range(repeats):
         one, many = _timed(lambda: gen(1)), _timed(lambda: gen(tokens + 1))
         tpot.append((many[0] - one[0]) / tokens)
         cpu.append((many[1] - one[1]) / tokens)
-    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, QuantLinear)]
+        gbps.append(bandwidth())
+    runner_model = llm.llm_engine.runner.model
+    linears = [m for m in runner_model.modules() if isinstance(m, QuantLinear)]
     xs = [torch.randn(1, m.in_features) for m in linears]
 
     def run_linears() -> None:
@@ -74,15 +102,23 @@ def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int) 
             m(x)
 
     lin = [_timed(run_linears) for _ in range(3 * repeats)]
+    read = bytes_per_token(runner_model)
     llm.shutdown()
-    return {
+    floor_ms = 1e3 * read / (max(gbps) * 1e9)
+    result = {
         "passes": passes,
         "tpot_ms": round(1e3 * min(tpot), 3),
         "cpu_ms": round(1e3 * min(cpu), 3),
+        "bytes_per_token_mib": round(read / 2**20, 1),
+        "read_gbps": round(max(gbps), 1),
+        "floor_ms": round(floor_ms, 3),
+        "tpot_to_floor": round(1e3 * min(tpot) / floor_ms, 3),
         "quant_linears": len(linears),
-        "linears_ms": round(1e3 * min(t for t, _ in lin), 3),
-        "linears_cpu_ms": round(1e3 * min(c for _, c in lin), 3),
     }
+    if linears:
+        result["linears_ms"] = round(1e3 * min(t for t, _ in lin), 3)
+        result["linears_cpu_ms"] = round(1e3 * min(c for _, c in lin), 3)
+    return result
 
 
 # --kernels: a decoder layer's linears on random blocks.
@@ -214,7 +250,8 @@ def kernels_main(args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="a .gguf file")
+    parser.add_argument("--model", help="a .gguf file or a checkpoint folder")
+    parser.add_argument("--dtype", default="float32", help="LLM's dtype (GGUF: float32)")
     parser.add_argument("--kernels", action="store_true", help="time a layer's linears")
     parser.add_argument(
         "--passes",
@@ -246,12 +283,15 @@ def main(argv: list[str] | None = None) -> dict:
         return kernels_main(args)
     if not args.model:
         parser.error("--model is required (or --kernels)")
-    args.passes = args.passes or [1, 2]
+    gguf = args.model.endswith(".gguf")
+    args.passes = args.passes or ([1, 2] if gguf else [2])  # (passes: GGUF's kernels only)
     result = {
         "model": args.model,
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "runs": [
-            measure(args.model, p, args.tokens, args.repeats, args.kv_blocks) for p in args.passes
+            measure(args.model, p, args.tokens, args.repeats, args.kv_blocks, args.dtype)
+            for p in args.passes
         ],
     }
     print(json.dumps(result, indent=1))

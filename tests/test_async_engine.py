@@ -270,3 +270,108 @@ def test_engine_thread_reports_how_long_each_step_ran(demo_model_dir) -> None:
     assert sum(s.num_tokens for s in stepped) == len(ids) + GREEDY.max_tokens - 1
     assert all(s.step_time_s > 0 for s in stepped)
     assert stats[-1].num_tokens == 0 and stats[-1].step_time_s == 0.0  # the stop's emit
+
+
+def _record_step_threads(monkeypatch) -> set[int]:
+    """Patch LLMEngine.step to note the thread each step runs in."""
+    import threading
+
+    from conveyor.engine.llm_engine import LLMEngine
+
+    threads: set[int] = set()
+    step = LLMEngine.step
+
+    def recording_step(self):
+        threads.add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    return threads
+
+
+def test_a_built_engine_thread_steps_in_the_thread_that_built_the_engine(
+    demo_model_dir, monkeypatch
+) -> None:
+    """libgomp gives every thread that runs parallel regions its own pool of workers; a
+    second pool makes it throttle the workers' spinning (engine_thread.py's docstring), so
+    the weights' loading and the steps share one thread."""
+    import threading
+
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.entrypoints.engine_thread import EngineThread
+
+    step_threads = _record_step_threads(monkeypatch)
+    built_in, done, errors = [], threading.Event(), []
+
+    def factory() -> LLMEngine:
+        built_in.append(threading.get_ident())
+        return LLMEngine(EngineConfig(model=str(demo_model_dir), num_kv_blocks=64))
+
+    def emit(outputs, _stats) -> None:
+        if any(o.finished for o in outputs):
+            done.set()
+
+    thread = EngineThread.build(
+        factory, emit=emit, reject=lambda _, e: errors.append(e), on_dead=errors.append
+    )
+    assert built_in and built_in[0] != threading.get_ident()
+    assert not thread.started  # built, waiting for start()
+    thread.start()
+    ids = thread.engine.tokenizer.encode("Hello there")
+    thread.add("r", "Hello there", ids, GREEDY, arrival_time=0.0)
+    assert done.wait(60)
+    thread.stop()
+    assert not errors and step_threads == set(built_in)
+
+
+def test_a_built_engine_thread_raises_what_building_raised_and_stops_unstarted(
+    demo_model_dir,
+) -> None:
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.entrypoints.engine_thread import EngineThread
+
+    callbacks = dict(emit=lambda *_: None, reject=lambda *_: None, on_dead=lambda _: None)
+
+    def broken() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        EngineThread.build(broken, **callbacks)
+    config = EngineConfig(model=str(demo_model_dir), num_kv_blocks=64)
+    thread = EngineThread.build(lambda: LLMEngine(config), **callbacks)
+    thread.stop(timeout_s=30)  # never started: its thread ends without a step
+    assert not thread._thread.is_alive()
+
+
+def test_the_engine_process_steps_in_the_thread_that_built_the_engine(
+    demo_model_dir, monkeypatch
+) -> None:
+    """run_engine_process (the engine process's body) builds the engine and steps it in the
+    thread that calls it; commands arrive on another."""
+    import threading
+    from multiprocessing import Pipe
+
+    from conveyor.engine.config import EngineConfig
+    from conveyor.entrypoints.engine_child import run_engine_process
+    from conveyor.entrypoints.wire import unpack_output
+
+    step_threads = _record_step_threads(monkeypatch)
+    commands_out, commands_in = Pipe(duplex=False)
+    outbox_out, outbox_in = Pipe(duplex=False)
+    config = EngineConfig(model=str(demo_model_dir), num_kv_blocks=64)
+    body = threading.Thread(target=run_engine_process, args=(config, commands_out, outbox_in))
+    body.start()
+    message = outbox_out.recv()
+    assert message[0] == "ready", message
+    commands_in.send(("add", "r", [1, 2, 3], [1, 2, 3], GREEDY, 0.0))
+    finished = False
+    while not finished:
+        assert outbox_out.poll(60)
+        message = outbox_out.recv()
+        if message[0] == "step":
+            finished = any(unpack_output(o).finished for o in message[1])
+    commands_in.send(("stop", "done"))
+    body.join(60)
+    assert not body.is_alive() and step_threads == {body.ident}

@@ -25,7 +25,29 @@ def test_gguf_decode_benchmark_reports_each_pass_count(capsys):
         # size): only their presence is checked
         assert isinstance(r["tpot_ms"], float) and isinstance(r["cpu_ms"], float)
         assert r["linears_ms"] > 0 and r["linears_cpu_ms"] >= 0
+        # the floor reads the linears' blocks and the head, not the whole file
+        assert 0 < r["bytes_per_token_mib"] < GGUF.stat().st_size / 2**20
+        assert r["read_gbps"] > 0 and r["floor_ms"] > 0 and "tpot_to_floor" in r
     assert '"tpot_ms"' in capsys.readouterr().out
+
+
+def test_decode_floor_of_a_bf16_checkpoint_counts_its_weights_once(demo_model_dir):
+    """A checkpoint folder in bf16: no quantized linears; the bytes a token reads are every
+    bf16 weight but the untied embedding table's."""
+    import json
+
+    args = ["--model", str(demo_model_dir), "--dtype", "bfloat16", "--tokens", "2"]
+    (run,) = gguf_decode.main([*args, "--repeats", "1"])["runs"]
+    config = json.loads((demo_model_dir / "config.json").read_text())
+    assert run["quant_linears"] == 0 and "linears_ms" not in run
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    layers = config["num_hidden_layers"]
+    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
+    # the layers' linears and the head (tied or not: the table, when untied, is not read)
+    linears = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + config["vocab_size"] * h
+    norms = (2 * layers + 1) * h
+    expected_mib = 2 * (linears + norms) / 2**20  # bf16, besides the biases and rotary tables
+    assert expected_mib - 0.1 <= run["bytes_per_token_mib"] <= 1.02 * expected_mib + 0.1
 
 
 def test_gguf_decode_benchmark_times_the_kernels_against_a_baseline_tree(capsys):

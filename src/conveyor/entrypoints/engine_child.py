@@ -1,9 +1,10 @@
 """The engine process's side of EngineProcess (engine_process.py): its entry point, the
 command loop and the liveness beat.
 
-    main thread:   commands pipe ──► EngineThread.add / abort / abort_all_at / stop
-    engine thread: step, step, ... ──► ("step", ...) on the outbox
-    beat thread:   ("beat",) on the outbox every BEAT_INTERVAL_S, whatever the step does
+    main thread:     builds the engine, then step, step, ... ──► ("step", ...) on the outbox
+                     (EngineThread.run: the thread that built the engine steps it)
+    commands thread: commands pipe ──► EngineThread.add / abort / abort_all_at / stop
+    beat thread:     ("beat",) on the outbox every BEAT_INTERVAL_S, whatever the step does
 
 The beat proves the process is alive, not that it makes progress: it goes on through a long
 step (torch ops and the C kernels release the GIL), and stops when the process is stopped
@@ -109,7 +110,21 @@ def run_engine_process(config: EngineConfig, commands: Connection, outbox: Conne
         reject=lambda request_id, exc: send(("reject", request_id, exc)),
         on_dead=lambda exc: send(("dead", f"The engine failed and stopped: {exc!r}")),
     )
-    thread.start()
+    reader = threading.Thread(
+        target=_read_commands, args=(commands, thread, send), name="conveyor-commands",
+        daemon=True,
+    )  # fmt: skip
+    reader.start()
+    # The steps run in this thread, the one that built the engine (EngineThread's docstring
+    # says why: a second thread stepping it makes every OpenMP region pay a wake-up).
+    thread.run()
+    reader.join()  # after the engine's death too: until the server says stop (or is gone)
+    beat.stop()
+    send(("stopped",))
+
+
+def _read_commands(commands: Connection, thread: EngineThread, send: Any) -> None:
+    """Hand the server's commands to `thread` until "stop" (or the pipe closes)."""
     while True:
         try:
             command = commands.recv()
@@ -127,12 +142,10 @@ def run_engine_process(config: EngineConfig, commands: Connection, outbox: Conne
                 thread.abort_all_at(command[1], command[2])
             elif kind == "stop":
                 thread.stop(command[1])
-                break
+                return
         except Exception as exc:  # a command this loop cannot apply
             thread.stop(_broken(send, exc)[1])
-            break
-    beat.stop()
-    send(("stopped",))
+            return
 
 
 def _broken(send: Any, exc: Exception) -> tuple[str, str]:

@@ -1,7 +1,7 @@
 """Starting the engine an AsyncLLM drives: in a thread of this process, in a child process, or
 as N data-parallel replica processes, and what the server learns from it at start.
 
-    engine_process=False          LLMEngine here, stepped by an EngineThread
+    engine_process=False          LLMEngine here, built and stepped by an EngineThread
     engine_process=True           EngineProcess (a child process; engine_process.py)
       and data_parallel_size N>1  DataParallelClient (N child processes; data_parallel.py)
 
@@ -57,8 +57,8 @@ def start_engine(
             killed and dead (None: never); not used with an engine thread.
     """
     if not engine_process:
-        engine = LLMEngine(config)
-        core = EngineThread(engine, **callbacks)
+        core = EngineThread.build(lambda: LLMEngine(config), **callbacks)  # (see build)
+        engine = core.engine
         return StartedEngine(
             core, engine, engine.model_path, engine.limits, engine.tokenizer, engine.pooling
         )
