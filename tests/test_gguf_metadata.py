@@ -253,3 +253,29 @@ def test_a_tensor_with_a_zero_dimension_is_named(tmp_path) -> None:
         ValueError, match=r"tensor token_embd\.weight has dimensions \[32, 0\]; each must be"
     ):
         GGUFFile(tmp_path / "z.gguf")
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_copied_tensors_pages_leave_the_resident_set_and_still_read_back(tmp_path) -> None:
+    """The loader drops each tensor's file pages once it copied them (gguf_file.drop_pages),
+    so a load does not end with the whole file resident on top of the weights."""
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((1024, 2048)).astype(np.float32)  # 8 MiB
+    writer = gguf.GGUFWriter(str(tmp_path / "one.gguf"), "llama")
+    writer.add_tensor("big", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = GGUFFile(tmp_path / "one.gguf")
+    (tensor,) = reader.tensors
+    assert tensor.offset % 32 == 0 and np.array_equal(tensor.data, values)  # every page read
+    before = _rss_file_kib()
+    reader.drop_pages(tensor)
+    assert before - _rss_file_kib() >= 7 * 1024  # the 8 MiB, less pages shared at the edges
+    assert np.array_equal(tensor.data, values)  # faulted back in from the file

@@ -197,6 +197,7 @@ def iter_gguf_tensors(
             values = np.array(tensor.data, np.uint8, copy=True)
         else:  # dequantize returns float32
             values = np.array(dequantize(tensor.data, tensor.tensor_type), np.float32, copy=True)
+        reader.drop_pages(tensor)  # copied: the file's pages need not stay resident
         name = gguf.hf_name(tensor.name)
         module = name.split(".")[-2] if name.startswith("model.layers.") else ""
         if gguf.permuted_qk and module in heads:
