@@ -51,6 +51,7 @@ import torch
 from conveyor import LLM, SamplingParams
 from conveyor.bench.sibling import load_sibling
 from conveyor.model.cpu.quant_linear import QuantLinear
+from conveyor.model.loading.loader import storage_bytes
 
 PROMPT = [[1, 415, 5565, 349, 264]]
 
@@ -64,18 +65,15 @@ def _timed(fn) -> tuple[float, float]:
 def bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of every weight a decode step reads: all of the model's tensors (each storage
     once) but those only the embedding table holds (a step reads one row of it)."""
-    embed = "model.embed_tokens."
-    storages: dict[int, int] = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if name.startswith(embed):
-            continue
-        key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
-        size = t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
-        storages[key] = size
+    embed = model.model.embed_tokens
+    tensors = [
+        t
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if not name.startswith("model.embed_tokens.")
+    ]
     if getattr(model, "lm_head", None) is None:  # tied: the logits read the whole table
-        for t in model.model.embed_tokens.parameters():
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
+        tensors += list(embed.parameters())
+    return storage_bytes(tensors)
 
 
 def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, dtype: str) -> dict:

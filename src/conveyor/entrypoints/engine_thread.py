@@ -166,7 +166,7 @@ class EngineThread:
         self._wakeup.set()
         if self._go is not None:
             self._go.set()  # a built thread never started ends without stepping
-        if self.started and self._thread is not threading.current_thread():
+        if self.started:
             self._thread.join(timeout_s)
 
     def run(self) -> None:

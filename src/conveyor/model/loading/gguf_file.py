@@ -47,7 +47,7 @@ class GGUFTensor:
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # numpy order (outermost first), e.g. (out_features, in_features)
     data: np.ndarray  # read-only view of the file: float32/float16, or uint8 bytes per row
-    offset: int = 0  # where its bytes start in the file
+    offset: int  # where its bytes start in the file
 
 
 class GGUFFile:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -302,8 +302,13 @@ def load_weights(
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (each storage once: a tied head counts once)."""
+    return storage_bytes([*model.parameters(), *model.buffers()])
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind `tensors`, each storage counted once."""
     seen: dict[int, int] = {}
-    for t in [*model.parameters(), *model.buffers()]:
+    for t in tensors:
         if t.is_mkldnn:  # oneDNN's packed weight has no storage to read: its elements
             seen[id(t)] = t.numel() * t.element_size()
             continue
