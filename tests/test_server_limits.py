@@ -12,9 +12,13 @@ import time
 import httpx
 import openai
 import pytest
-from tests.serve_process import metric_value, start_server
+from tests.serve_process import metric_value, slow_step_env, start_server
 
 TIMEOUT_S = 3
+# Every engine step takes at least this long, so a 2,040-token request cannot finish within
+# TIMEOUT_S however fast the model runs (the demo model alone did it in under 3 s once the
+# engine process stepped from the thread that built the engine).
+STEP_S = 0.003
 ARGS = [
     "--max-num-seqs", "1", "--max-waiting-requests", "2", "--max-n", "2",
     "--max-request-body-bytes", "4096", "--request-timeout", str(TIMEOUT_S),
@@ -24,7 +28,9 @@ ARGS = [
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir, tmp_path_factory):
-    proc = start_server(["--model", str(demo_model_dir), *ARGS], tmp_path_factory.mktemp("lim"))
+    tmp = tmp_path_factory.mktemp("lim")
+    args = ["--model", str(demo_model_dir), *ARGS]
+    proc = start_server(args, tmp, env=slow_step_env(tmp, STEP_S))
     yield proc
     proc.stop()
 
