@@ -29,7 +29,12 @@ that many sequences), against the same layer's float32 GEMM (x @ W.T on the dequ
 weights, already in memory). With --baseline-src (the `src` folder of another checkout, e.g.
 `git archive REV src | tar -x -C /tmp/base`) the same timing runs there too, in a subprocess,
 rounds alternating with this tree's, and each result gets the baseline's ms and the ratio
-baseline / this tree. Times are ms per layer, min and median over the samples.
+baseline / this tree. Times are ms per layer, min and median over the samples. From
+GEMM_ROWS (256) rows, where a layer switches to a GEMM on its weights dequantized a slice at a
+time (bf16 panels with AVX512-BF16: csrc/quant_gemm.c; float32 on AVX2 and portable builds),
+a result also has integer_kernels_ms: the same rows through the integer kernels instead.
+
+    python benchmarks/gguf_decode.py --kernels --threads 2 --rows 64 256 1024 --no-gemm
 
     python benchmarks/gguf_decode.py --kernels --threads 2 --rows 1 16 64 \
         --baseline-src /tmp/base/src
@@ -182,10 +187,18 @@ def time_kernels(args, state: dict) -> dict:
                 layers, dense = state[qtype]
                 for m in args.rows:
                     runs = [("", layers)] + ([("/gemm", dense)] if dense else [])
+                    switch = layers[0].gemm_rows
+                    if switch is not None and m >= switch:  # also the integer kernels
+                        runs.append(("/integer", layers))
                     for suffix, mods in runs:
                         t, c = time.perf_counter(), time.process_time()
                         for mod, x in zip(mods, xs[m], strict=True):
-                            mod(x) if suffix == "" else x @ mod.T
+                            if suffix == "/gemm":
+                                x @ mod.T
+                                continue
+                            mod.gemm_rows = None if suffix == "/integer" else switch
+                            mod(x)
+                            mod.gemm_rows = switch
                         c, t = time.process_time() - c, time.perf_counter() - t
                         samples.setdefault(f"{qtype}/{m}{suffix}", []).append(t)
                         samples.setdefault(f"{qtype}/{m}{suffix}/cpu", []).append(c)
@@ -223,6 +236,8 @@ def kernels_main(args) -> dict:
             row["cpu_ms"] = _stats(mine[key + "/cpu"])
             if key + "/gemm" in mine:
                 row["fp32_gemm_ms"] = _stats(mine[key + "/gemm"])
+            if key + "/integer" in mine:  # what ms took instead of the integer kernels
+                row["integer_kernels_ms"] = _stats(mine[key + "/integer"])
             if key in base:
                 row["baseline_ms"] = _stats(base[key])
                 row["baseline_cpu_ms"] = _stats(base[key + "/cpu"])

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # oneDNN), the quantized GGUF linears' plain C dot products, and one family's exact greedy
 # parity with transformers through the whole model. avx2: the AVX2 paths without AVX-512
 # (the quantized dot products' 256-bit maddubs), as on a Zen 3. avx512 and avx512bf16: the
-# zmm GEMM with bf16 weights widened, and with vdpbf16ps; the quantized dot products' 512-bit
+# zmm GEMM with bf16 weights widened, and with vdpbf16ps (also a long GGUF prefill's GEMM on
+# dequantized bf16 panels); the quantized dot products' 512-bit
 # maddubs (x86-64-v4 has no VNNI; a native build on an AVX-512 VNNI CPU takes the 512-bit
 # dpbusd paths in every other test); the decoder layers fused in one C call stay bit for bit
 # the modules' on each.
@@ -36,7 +37,11 @@ ISA_TESTS = {
     ],
     "avx2": ["tests/test_quant_linear.py", "tests/test_linear.py"],
     "avx512": ["tests/test_linear.py", "tests/test_fused_layers.py", "tests/test_quant_linear.py"],
-    "avx512bf16": ["tests/test_linear.py", "tests/test_fused_layers.py"],
+    "avx512bf16": [
+        "tests/test_linear.py",
+        "tests/test_fused_layers.py",
+        "tests/test_quant_linear.py",
+    ],
 }
 
 

@@ -26,7 +26,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.engine.gguf_tokenizer import gguf_tokenizer
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.model.cpu import cpu_kernels
-from conveyor.model.cpu.quant_linear import QUANT_TYPES, QuantEmbedding, QuantLinear
+from conveyor.model.cpu.quant_linear import GEMM_ROWS, QUANT_TYPES, QuantEmbedding, QuantLinear
 from conveyor.model.loading.checkpoint import check_checkpoint
 
 WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64)
@@ -84,11 +84,26 @@ def test_gguf_greedy_tokens_equal_transformers_on_the_same_file(gguf_case):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_quantized_gguf_weights_stay_quantized_and_their_greedy_output_is_close(gguf_case):
+def _counted(fn, calls: list[int]):
+    def counted(*args):
+        calls.append(1)
+        return fn(*args)
+
+    return counted
+
+
+def test_quantized_gguf_weights_stay_quantized_and_their_greedy_output_is_close(
+    gguf_case, monkeypatch
+):
     name, _, file, prompts, max_tokens, _ = gguf_case
     if not _kept_quantized(name) or cpu_kernels.load() is None:
         pytest.skip("a type that is dequantized at load (or no C kernels here)")
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=5) for m in max_tokens]
+    # three prompts of 100 tokens and more: their first step, GEMM_ROWS rows or more, takes
+    # a long prefill's GEMM (the model's context is 256)
+    tokens = [t for p in prompts for t in p] * 100
+    long_prompts = [tokens[i : i + 100 + 10 * i] for i in range(3)]
+    assert sum(map(len, long_prompts)) >= GEMM_ROWS
     runs = {}
     # the file's blocks (activations in 2 passes, and in llama.cpp's 1), and the file
     # dequantized
@@ -107,8 +122,17 @@ def test_quantized_gguf_weights_stay_quantized_and_their_greedy_output_is_close(
                                   else 0)  # fmt: skip
         assert all(m.passes == passes for m in quantized if isinstance(m, QuantLinear))
         runs[backend, passes] = llm.generate(prompts, params, use_tqdm=False)
+        if passes == 2:
+            gemms: list[int] = []
+            monkeypatch.setattr(QuantLinear, "_gemm", _counted(QuantLinear._gemm, gemms))
+            runs[backend, "long"] = llm.generate(long_prompts, params[:3], use_tqdm=False)
+            monkeypatch.undo()
+            # (AVX-512 without BF16 keeps its integer kernels: no GEMM there)
+            linears = [m for m in quantized if isinstance(m, QuantLinear)]
+            assert bool(gemms) == (backend == "auto" and linears[0].gemm_rows is not None)
     check_logprobs_close(runs["auto", 2], runs["onednn", 2])
     check_logprobs_close(runs["auto", 1], runs["onednn", 2])
+    check_logprobs_close(runs["auto", "long"], runs["onednn", "long"])
 
 
 def test_a_llama3_gguf_applies_its_rope_freqs_like_the_hf_model(tmp_path, tiny_tokenizer_dir):

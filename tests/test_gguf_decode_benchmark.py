@@ -64,3 +64,19 @@ def test_gguf_decode_benchmark_times_the_kernels_against_a_baseline_tree(capsys)
         assert r["ms"]["min"] > 0 and r["baseline_ms"]["min"] > 0
         assert r["fp32_gemm_ms"]["median"] > 0 and r["ratio"]["median"] > 0
     assert '"baseline_ms"' in capsys.readouterr().out
+
+
+def test_gguf_decode_benchmark_times_a_long_prefill_both_ways():
+    """From GEMM_ROWS rows a layer that switches to a GEMM on dequantized weights is also timed
+    on its integer kernels (AVX-512 without BF16 never switches: nothing to compare)."""
+    from conveyor.model.cpu import cpu_kernels
+    from conveyor.model.cpu.quant_linear import GEMM_ROWS
+
+    args = ["--kernels", "--shape", "256", "512", "64", "--repeats", "1", "--no-gemm"]
+    result = gguf_decode.main([*args, "--types", "Q4_K", "--rows", "3", str(GEMM_ROWS)])
+    short, long = result["results"]
+    switches = cpu_kernels.load().linear_isa != "avx512"
+    assert "integer_kernels_ms" not in short
+    assert ("integer_kernels_ms" in long) == switches
+    if switches:
+        assert long["integer_kernels_ms"]["min"] > 0

@@ -151,13 +151,12 @@ def test_tiles_of_activation_rows_match_one_row_at_a_time_and_the_reference(
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
 def test_a_long_prefill_takes_the_integer_kernels_where_they_tile(kernels, qtype):
-    """On AVX-512 the kernels beat the dequantized GEMM at every row count, so a prefill of
-    GEMM_ROWS or more rows stays on them: each row bit for bit what it gets alone."""
+    """On AVX-512 without BF16 the kernels beat the dequantized float32 GEMM at every row
+    count, so a prefill of GEMM_ROWS or more rows stays on them: each row bit for bit what it
+    gets alone. Other builds switch to a GEMM from GEMM_ROWS rows (tests below)."""
     k = width(qtype, 96)
     layer = QuantLinear([random_blocks(qtype, 21, k, seed=4)], None, kernels)
-    if kernels.linear_isa not in ("avx512", "avx512-bf16"):
-        # one row at a time (AVX2, portable): long prefills take the dequantized GEMM, which
-        # test_a_prefill_gemm_slices_the_weight_and_adds_the_bias checks
+    if kernels.linear_isa != "avx512":
         assert layer.gemm_rows == GEMM_ROWS
         return
     assert layer.gemm_rows is None
@@ -180,9 +179,50 @@ def test_a_prefill_gemm_slices_the_weight_and_adds_the_bias(kernels, monkeypatch
     x = torch.randn(GEMM_ROWS + 5, 256, generator=torch.Generator().manual_seed(3))
     layer = QuantLinear(parts, bias, kernels)
     layer.gemm_rows = GEMM_ROWS  # the path of a build whose kernels take one row at a time
+    layer._bf16_gemm = None  # (an AVX512-BF16 build's GEMM is the next test's)
     with torch.inference_mode():
         got = layer(x)
     assert_same_up_to_fp32_order(got, x, w, bias)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("slice_bytes", [16 << 20, 1])
+def test_a_long_prefill_with_avx512_bf16_runs_the_bf16_gemm_on_dequantized_panels(
+    kernels, monkeypatch, slice_bytes
+):
+    """With AVX512-BF16, GEMM_ROWS rows or more take csrc/quant_gemm.c: every piece's groups
+    of sixteen rows dequantized into bf16 panels (a slice of them per GEMM call; 1 byte: one
+    group a call) and multiplied by the vdpbf16ps GEMM. Its result is the bf16 CpuLinear's on
+    the file's dequantized weight, bit for bit (the same panels, the same sums), and that of
+    x and W rounded to bf16 in float32 up to summation order; every type, a bias, a piece
+    whose row count is not a multiple of sixteen, and widths of whole 32-weight blocks that
+    are not whole K-quant super-blocks."""
+    import conveyor.model.cpu.quant_linear as ql
+    from conveyor.model.cpu.linear import CpuLinear
+
+    if kernels.linear_isa != "avx512-bf16":  # (the float32 GEMM's test above, or none)
+        assert QuantLinear([random_blocks("Q8_0", 16, 32, 0)], None, kernels)._bf16_gemm is None
+        return
+
+    monkeypatch.setattr(ql, "_PANEL_SLICE_BYTES", slice_bytes)
+    for k, types in ((512, list(QUANT_TYPES)), (96, ["Q8_0", "Q4_0", "Q4_1"])):
+        parts = [random_blocks(t, 16 * i + 7, k, i) for i, t in enumerate(types, 1)]
+        w = torch.cat([p.dequantize() for p in parts])
+        n = w.shape[0]
+        bias = nn.Parameter(torch.randn(n), requires_grad=False)
+        x = torch.randn(GEMM_ROWS + 3, k, generator=torch.Generator().manual_seed(k))
+        layer = QuantLinear(parts, bias, kernels)
+        assert layer.gemm_rows == GEMM_ROWS
+        with torch.inference_mode():
+            got = layer(x)
+            dense = CpuLinear(w, bias, kernels, weight_dtype=torch.bfloat16)(x)
+            short = layer(x[:5])  # fewer rows: the integer kernels
+        assert torch.equal(got, dense)
+        assert_same_up_to_fp32_order(got, _bf16(x), _bf16(w), bias)
+        assert not torch.equal(short, got[:5])  # (two 8-bit passes, not bf16)
 
 
 def test_a_fused_weight_of_mixed_types_stacks_its_pieces_in_order(kernels):

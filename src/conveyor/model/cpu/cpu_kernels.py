@@ -55,6 +55,7 @@ _QUANTIZE_ARGS = [_P, _I64, _I64, _I64, _P, _I32, _I32]
 _QUANT_LINEAR_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _I32, _P, _P, _I64, _I32]
 _QUANT_TILED_ARGS = [*_QUANT_LINEAR_ARGS, _I32]
 _QUANT_ROWS_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32]
+_QUANT_GEMM_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I32]
 # Every exported C function: (argument types, return type), as csrc/ declares it.
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_paged_attention_f32": (_ATTENTION_ARGS, ctypes.c_int),
@@ -74,6 +75,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_quant_linear_f32": (_QUANT_LINEAR_ARGS, ctypes.c_int),
     "conveyor_quant_linear_tiled_f32": (_QUANT_TILED_ARGS, ctypes.c_int),
     "conveyor_quant_rows_f32": (_QUANT_ROWS_ARGS, ctypes.c_int),
+    "conveyor_quant_gemm_bf16": (_QUANT_GEMM_ARGS, ctypes.c_int),
     # every decoder layer of a step (conveyor.model.cpu.fused_layers wraps it)
     "conveyor_decoder_layers": ([_P, _I32, *[_P] * 10], ctypes.c_int),
 }

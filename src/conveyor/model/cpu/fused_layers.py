@@ -13,9 +13,10 @@ per-head q/k norm) on our C kernels: RMSNorm, rotary and silu * up in C, the "cp
 backend on a float32 or bfloat16 cache, and every linear a CpuLinear (float32 or bfloat16
 panels) or a QuantLinear (GGUF blocks); no tensor parallelism. A step qualifies when its
 activations are float32, every attention row is the kernel's (no chunk long enough for SDPA)
-and, with GGUF blocks on a build whose quantized kernels take one row at a time (AVX2,
-portable), it has fewer than quant_linear.GEMM_ROWS tokens (longer ones dequantize into a
-float32 GEMM). Anything else runs the modules, as before.
+and, with GGUF blocks on a build other than AVX-512 without BF16, it has fewer than
+quant_linear.GEMM_ROWS tokens (longer ones dequantize the weights into a GEMM: bf16 panels
+with AVX512-BF16, float32 on AVX2 and portable builds). Anything else runs the modules, as
+before.
 """
 
 from __future__ import annotations

@@ -36,14 +36,17 @@ QUANT_TYPES = {
     "Q6_K": (14, 256, 210),
 }
 BLOCK = 32  # activations are quantized per 32
-# From this many rows of x (a long prefill chunk) a QuantLinear on a build whose quantized
-# kernels take one activation row at a time (AVX2, portable) dequantizes its weight, a slice
-# of rows at a time, and multiplies in float32 (oneDNN's GEMM): the integer kernels cost about
-# the same per row as the GEMM there, and the GEMM's dequantization is earned back by this
-# many rows. The AVX-512 kernels unpack each weight load once for a tile of rows and beat the
-# dequantized GEMM at every row count (docs/kernels.md#measured-choices): no threshold there.
+# From this many rows of x (a long prefill chunk) a QuantLinear stops running the integer
+# kernels, whose cost grows with every row, and dequantizes its weight a slice at a time into
+# a GEMM instead: bf16 panels through linear.c's vdpbf16ps GEMM on a build with AVX512-BF16
+# (csrc/quant_gemm.c; about half the time of the AVX-512 integer kernels' two passes from a
+# few hundred rows), float32 through oneDNN's GEMM on AVX2 and portable builds, where the
+# integer kernels take one activation row at a time. AVX-512 without BF16 keeps its tiled
+# integer kernels, which beat the float32 GEMM at every row count
+# (docs/kernels.md#measured-choices).
 GEMM_ROWS = 256
 _GEMM_SLICE = 1024  # weight rows dequantized at a time (1024 x 4096 floats: 16 MiB)
+_PANEL_SLICE_BYTES = 16 << 20  # bf16 panels per GEMM call of the AVX512-BF16 path
 _Q8A_BYTES = 40  # one activation block: float d, float s, int8 q[32]
 # Every kept type runs on rows interleaved GROUP at a time (interleave_groups): bytes per
 # block of such a group (the K-quants' 6-bit scales decoded to bytes: 2-3% more).
@@ -134,9 +137,10 @@ def _interleaved_pieces(qtype: str, b: np.ndarray) -> list[np.ndarray]:
 
 
 def gemm_rows(kernels: Any) -> int | None:
-    """The row count from which a QuantLinear on `kernels` dequantizes its weight into a
-    float32 GEMM, or None: the integer kernels take every row count."""
-    return None if kernels.linear_isa in ("avx512", "avx512-bf16") else GEMM_ROWS
+    """The row count from which a QuantLinear on `kernels` dequantizes its weight into a GEMM
+    (bf16 with AVX512-BF16, float32 on AVX2 and portable builds), or None: the integer
+    kernels take every row count."""
+    return None if kernels.linear_isa == "avx512" else GEMM_ROWS
 
 
 def interleave_groups(weight: QuantTensor) -> QuantTensor:
@@ -201,6 +205,10 @@ class QuantLinear(nn.Module):
         # time, the path before tiles, kept for tests and benchmarks: the same results).
         self.max_tile = MAX_TILE
         self.gemm_rows = gemm_rows(kernels)  # None: never the dequantized GEMM
+        # the GEMM on bf16 panels (quant_gemm.c) where the build has vdpbf16ps
+        self._bf16_gemm = (
+            kernels.fns["conveyor_quant_gemm_bf16"] if kernels.linear_isa == "avx512-bf16" else None
+        )
         self._quantize = kernels.fns["conveyor_quantize_q8a_f32"]
         self._linear = kernels.fns["conveyor_quant_linear_tiled_f32"]
         self._rows = kernels.fns["conveyor_quant_rows_f32"]
@@ -255,8 +263,11 @@ class QuantLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _gemm(self, rows: torch.Tensor, threads: int) -> torch.Tensor:
-        """x @ W.T + b in float32, W dequantized _GEMM_SLICE rows at a time (exact: no
-        activation quantization)."""
+        """x @ W.T + b through a GEMM on W dequantized a slice at a time: bf16 panels through
+        vdpbf16ps (x and W rounded to bf16, float32 sums) where the build has it, else
+        float32 (exact: no activation quantization)."""
+        if self._bf16_gemm is not None:
+            return self._gemm_bf16(rows, threads)
         k = self.in_features
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         weight = torch.empty(min(_GEMM_SLICE, max(self.rows)), k, dtype=torch.float32)
@@ -273,6 +284,20 @@ class QuantLinear(nn.Module):
                 out[:, at : at + ids.numel()] = rows @ part.T
         if self.bias is not None:
             out += self._bias
+        return out
+
+    def _gemm_bf16(self, rows: torch.Tensor, threads: int) -> torch.Tensor:
+        m, k, ldo = rows.shape[0], self.in_features, self.out_features
+        out = torch.empty(m, ldo, dtype=torch.float32)
+        for type_id, w, ldw, n, bias, start in self._launches():
+            failed = self._bf16_gemm(
+                type_id, w, ldw, n, k, rows.data_ptr(), rows.stride(0), m, bias,
+                out.data_ptr() + 4 * start, ldo, _PANEL_SLICE_BYTES, threads,
+            )  # fmt: skip
+            if failed == 3:
+                raise MemoryError("the bf16 GEMM could not allocate its weight panels.")
+            if failed:  # 1: a type it does not take, 2: a build without its kernel
+                raise ValueError(f"the bf16 GEMM cannot run type {type_id} here (code {failed}).")
         return out
 
 

@@ -133,6 +133,29 @@ static inline __m512 bytes16(const uint8_t *p, int is_signed)
     return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw));
 }
 
+#ifdef __AVX512BF16__
+#define CONVEYOR_QUANT_PANELS 1
+/* Four columns of a group's sixteen rows as bf16 (quant_gemm.c's panels): byte b of each
+ * int32 lane of q (row i's lane i) less `off`, times scale less mn, is row i's weight in
+ * column b; columns 0, 1 go to pair[0 .. 32), 2, 3 to pair[32 .. 64) (each 32-bit word one
+ * row's pair, the even column in its low half), rounded to nearest even. */
+static inline void panel_columns4(__m512i q, int off, __m512 scale, __m512 mn, uint16_t *pair)
+{
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                         1, 16, 0);
+    const __m512i low = _mm512_set1_epi32(0xFF), shift = _mm512_set1_epi32(off);
+    __m512 f[4];
+    for (int b = 0; b < 4; b++) {
+        const __m512i v = _mm512_and_si512(_mm512_srli_epi32(q, 8 * b), low);
+        f[b] = _mm512_fmsub_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, shift)), mn);
+    }
+    _mm512_storeu_si512(pair, _mm512_permutexvar_epi16(zip, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0])));
+    _mm512_storeu_si512(pair + 32,
+                        _mm512_permutexvar_epi16(zip, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2])));
+}
+#endif
+
 #endif
 
 #endif
@@ -154,6 +177,12 @@ void quant_k_tile_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *x
                       const q8a_block *x2, int64_t ldx, int rows, const int32_t *xsum,
                       float *out);
 void quant_k_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float *out);
+
+/* With AVX512-BF16 (CONVEYOR_QUANT_PANELS): a group's sixteen rows, k weights each, as one
+ * bf16 panel [k / 2][16][2] (linear.c's layout; quant_gemm.c), the weights those of
+ * *_row_dequantize rounded to nearest even. */
+void quant_x8_group_panel(int qtype, const uint8_t *w, int64_t k, uint16_t *panel);
+void quant_k_group_panel(int qtype, const uint8_t *w, int64_t k, uint16_t *panel);
 
 /* The activation sums the kernels' dpbusd paths start their integer sums from (xsum:
  * int32 [passes][m][k / 32][2], conveyor_quant_linear_f32 fills them for these two types):

@@ -65,6 +65,31 @@ static void quantize_block(const float *v, q8a_block *o)
     o->s = d * (float)sum;
 }
 
+#ifdef CONVEYOR_AVX512
+/* quantize_block on a block in two zmm registers, bit for bit: the same largest |x|, the same
+ * division and reciprocal, the products rounded to nearest even (cvtps_epi32, as lrintf in the
+ * default rounding mode) and the same integer sum; rest (NULL: none) gets x - d q, rounded
+ * product then difference, as the scalar loop (no contraction under -std=c11). libm's fmaxf
+ * and lrintf are calls per element there: this is most of a decode step's quantization. */
+static inline void quantize_block512(const float *v, q8a_block *o, float *rest)
+{
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i *)o->q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(o->q + 16), _mm512_cvtepi32_epi8(qb));
+    o->d = d;
+    o->s = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    if (rest) {
+        const __m512 vd = _mm512_set1_ps(d);
+        _mm512_storeu_ps(rest, _mm512_sub_ps(a, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(qa))));
+        _mm512_storeu_ps(rest + 16, _mm512_sub_ps(b, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(qb))));
+    }
+}
+#endif
+
 /* Quantize m rows of x [m, k] (k a multiple of 32) into out: `passes` (1 or 2) sets of m rows
  * of k / 32 Q8A blocks, the second one the first's rounding error. */
 void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
@@ -78,12 +103,18 @@ void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * ldx + b * QK;
             q8a_block *o = blocks + r * nb + b;
+#ifdef CONVEYOR_AVX512
+            float rest[QK];
+            quantize_block512(v, o, passes > 1 ? rest : 0);
+            if (passes > 1) quantize_block512(rest, o + m * nb, 0);
+#else
             quantize_block(v, o);
             if (passes > 1) {
                 float rest[QK];
                 for (int j = 0; j < QK; j++) rest[j] = v[j] - o->d * o->q[j];
                 quantize_block(rest, o + m * nb);
             }
+#endif
         }
     }
 }
