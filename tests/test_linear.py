@@ -291,3 +291,28 @@ def test_long_batches_give_each_row_what_it_gets_alone(kernels, weight_dtype):
         for i in (0, 7, 8, 15, 21, 287, 288, 299):
             assert torch.equal(lin(x[i : i + 1]), whole[i : i + 1]), i
         assert torch.equal(lin(x[3:24]), whole[3:24])
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 8, 9, 12, 16])
+def test_decode_sized_batches_give_each_row_what_it_gets_alone(kernels, weight_dtype, rows):
+    """A decode step of 5-16 rows takes the few-row kernels four rows at a time over groups of
+    four panels (the last panels one at a time): each row's outputs are the ones it gets
+    alone, bit for bit, and the float64 product's up to the operands' rounding."""
+    torch.manual_seed(rows)
+    n, k = 16 * 6 + 3, 520  # a group of four panels, then two full panels and a partial one
+    weight, bias = torch.randn(n, k) / k**0.5, torch.randn(n)
+    lin = CpuLinear(weight, bias, kernels, weight_dtype)
+    x = torch.randn(rows, k)
+    with torch.inference_mode():
+        whole = lin(x)
+        for i in range(rows):
+            assert torch.equal(lin(x[i : i + 1]), whole[i : i + 1]), i
+    w = weight.to(weight_dtype).double()
+    xr = (
+        x.bfloat16().double()
+        if kernels.linear_isa == "avx512-bf16" and weight_dtype == torch.bfloat16
+        else x.double()
+    )
+    want = xr @ w.T + bias.double()
+    torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-4)

@@ -70,6 +70,12 @@
 /* A few rows (at most WIDE_R): WIDE_P panels per micro-kernel call. */
 #define WIDE_R 4
 #define WIDE_P 4
+/* 5-16 rows (a decode step of that many sequences) take the same kernels four rows at a time
+ * over each block of four panels, the later rows re-reading the panels' block from L1: one
+ * panel at a time left a step of 8 rows 1.4x as long as one of 4 (eight dependency chains
+ * too few to keep the weights streaming) and 16 rows bound by their loads (a broadcast and a
+ * weight load for each 16 x 1 instruction's worth) (docs/kernels.md#measured-choices). */
+#define WIDE2_R 16
 #define WIDES_ALL WIDE(4) WIDE(3) WIDE(2) WIDE(1)
 #define WIDES_LIST 0, WIDE_FN(1), WIDE_FN(2), WIDE_FN(3), WIDE_FN(4)
 
@@ -386,7 +392,7 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
             if (parallel && mb * k >= PACK_PARALLEL_MIN)
         for (int64_t r = 0; r < mb; r++)
             pack_pairs_row(x + (m0 + r) * ldx, k, xp + (r / MR) * MR * kp + r % MR);
-        if (mb <= WIDE_R) { /* a few rows: WIDE_P panels at a time */
+        if (mb <= WIDE2_R) { /* a few rows: WIDE_P panels at a time, WIDE_R rows at a time */
             const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
             #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
             for (int64_t g = 0; g < groups; g++) {
@@ -397,10 +403,17 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
                     for (int64_t p = p0; p < p0 + np; p += (np == WIDE_P ? WIDE_P : 1)) {
                         const int64_t last = np == WIDE_P ? p + WIDE_P - 1 : p;
                         const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
-                        const micro_dp_fn fn = np == WIDE_P ? wides_dp[mb] : micros_dp[mb];
-                        fn(xp + q0 * MR, kp * 2 * NR, packed + (p * kp + q0) * 2 * NR, qb,
-                           bias ? bias + p * NR : 0, q0 == 0, 1, out + m0 * ldo + p * NR, ldo,
-                           cols);
+                        const uint16_t *panel = packed + (p * kp + q0) * 2 * NR;
+                        const float *pb = bias ? bias + p * NR : 0;
+                        if (np != WIDE_P) { /* the last panels, one at a time */
+                            micros_dp[mb](xp + q0 * MR, 0, panel, qb, pb, q0 == 0, 1,
+                                          out + m0 * ldo + p * NR, ldo, cols);
+                            continue;
+                        }
+                        for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
+                            wides_dp[mb - r < WIDE_R ? mb - r : WIDE_R](
+                                xp + q0 * MR + r, kp * 2 * NR, panel, qb, pb, q0 == 0, r == 0,
+                                out + (m0 + r) * ldo + p * NR, ldo, cols);
                     }
                 }
             }

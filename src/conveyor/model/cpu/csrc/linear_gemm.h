@@ -136,7 +136,7 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
         if (xb) pack_rows(x + m0 * ldx, ldx, mb, k, xb);
 #endif
 #if defined(CONVEYOR_GEMM512)
-        if (mb <= WIDE_R && xb) { /* a few rows: WIDE_P panels at a time */
+        if (mb <= WIDE2_R && xb) { /* a few rows: WIDE_P panels, WIDE_R rows at a time */
             const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
             #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
             for (int64_t g = 0; g < groups; g++) {
@@ -151,8 +151,10 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
                         const float *pbias = bias ? bias + p * NR : 0;
                         float *o = out + m0 * ldo + p * NR;
                         if (np == WIDE_P)
-                            WIDES_TABLE[mb](xb + k0 * MR, kstep * NR, panel, kb, pbias, k0 == 0,
-                                            1, o, ldo, cols);
+                            for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
+                                WIDES_TABLE[mb - r < WIDE_R ? mb - r : WIDE_R](
+                                    xb + k0 * MR + r, kstep * NR, panel, kb, pbias, k0 == 0,
+                                    r == 0, o + r * ldo, ldo, cols);
                         else
                             MICROS_TABLE[mb](xb + k0 * MR, 0, panel, kb, pbias, k0 == 0, 1, o,
                                              ldo, cols);
