@@ -13,8 +13,9 @@
  *                are widened to float32 in registers (the same float32 products and sums).
  *   AVX-512      16 columns are one zmm: up to 16 rows x 16 columns of accumulators, x's
  *                block of rows packed first (pack_rows) so the values broadcast for one k
- *                share a cache line; for 1-4 rows (decode) four panels per call, so a step
- *                is not bound by one FMA chain's latency per k. bf16 widened as above.
+ *                share a cache line; for 1-16 rows (decode) four panels per call, four
+ *                rows at a time, so a step is not bound by one FMA chain's latency per k.
+ *                bf16 widened as above.
  *   AVX512-BF16  bf16 weights through vdpbf16ps: x rounded to bf16 (nearest even) once per
  *                block of rows, each instruction two k per lane; the same blocking. This
  *                changes bf16 mode's numerics (x rounded, as oneDNN's and vLLM-CPU's bf16
