@@ -96,7 +96,7 @@ def make_batch(
 def kernel_fn(q, cache, meta: AttentionMetadata, scale: float) -> Callable[[], torch.Tensor]:
     """The paged attention under test: Triton, or the torch reference when Triton can't run."""
     if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        from conveyor import kernels
+        import conveyor.kernels.launchers as kernels
 
         data, scales = (cache.data, cache.scales) if isinstance(cache, QuantizedKVCache) else (
             cache, None)  # fmt: skip

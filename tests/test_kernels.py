@@ -26,11 +26,11 @@ ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module")
 def kernels():
-    import conveyor.kernels
+    import conveyor.kernels.launchers as kernels
 
-    if DEVICE.type == "cpu" and not conveyor.kernels.INTERPRETED:
+    if DEVICE.type == "cpu" and not kernels.INTERPRETED:
         pytest.skip("no GPU and TRITON_INTERPRET was not set when conveyor.kernels loaded")
-    return conveyor.kernels
+    return kernels
 
 
 def _batch(shapes, hq, hkv, d, bs, dtype, seed, quant=False):

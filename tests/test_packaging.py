@@ -29,11 +29,27 @@ def test_kernels_folder_is_the_conveyor_kernels_package():
     assert "package-dir" not in setuptools  # a mapped package forces a finder-based install
 
 
+def test_the_checkout_root_does_not_shadow_a_package_named_kernels(tmp_path):
+    # transformers >= 5.25 imports Hugging Face's `kernels`. With the checkout's root first on
+    # sys.path (python -m pytest, an engine process's python -c, both run there) our kernels/
+    # folder must lose to any installed package of that name: it is a namespace portion.
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("WHO = 'the installed one'\n")
+    code = "import kernels, conveyor.kernels.launchers; print(kernels.WHO)"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "the installed one"
+
+
 def test_import_works_beside_a_folder_named_conveyor(tmp_path):
     # A clone named conveyor/ in the working directory must not shadow the installed package
     # as a namespace package (it did while the editable install used an import finder).
     (tmp_path / "conveyor").mkdir()
-    code = "import conveyor.kernels; from conveyor import LLM; print(conveyor.__file__)"
+    code = "import conveyor.kernels.launchers; from conveyor import LLM; print(conveyor.__file__)"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=False
     )
@@ -114,7 +130,7 @@ def test_the_wheel_carries_every_kernel_source_and_its_install_runs_the_c_kernel
     _pip("wheel", "--wheel-dir", str(tmp_path / "wheels"), str(src))
     (wheel,) = (tmp_path / "wheels").glob("conveyor-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("__init__.py", "attention.py", "kv_write.py"):
+    for module in ("launchers.py", "attention.py", "kv_write.py", "_checks.py"):
         assert f"conveyor/kernels/{module}" in names
     assert not any(n.startswith("kernels/") for n in names)  # not a top-level package
     assert _csrc_files() <= names  # every .c and every header they include

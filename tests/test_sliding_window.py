@@ -88,16 +88,16 @@ def test_torch_and_cpu_backends_apply_the_window_like_a_dense_mask(window):
 
 @pytest.mark.interpreter
 def test_triton_kernel_applies_the_window():
-    import conveyor.kernels
+    import conveyor.kernels.launchers as kernels
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cpu" and not conveyor.kernels.INTERPRETED:
+    if dev.type == "cpu" and not kernels.INTERPRETED:
         pytest.skip("no GPU and TRITON_INTERPRET was not set when conveyor.kernels loaded")
     # One interpreted fp32 launch: decodes past the window, a fresh prompt longer than it and
     # a chunk with cached context crossing its edge, split 2 ways (a split may see no key).
     shapes = [(1, 40), (1, 9), (20, 20), (5, 27)]
     q, _, _, cache, meta, kv = _batch(shapes, 4, 2, 16, 8, seed=3)
-    out = conveyor.kernels.paged_attention(
+    out = kernels.paged_attention(
         q.to(dev), cache.to(dev), meta.block_tables.to(dev), meta.seq_lens.to(dev),
         meta.query_start_loc.to(dev), 0.25, meta.max_query_len, meta.max_seq_len,
         num_splits=2, window=WINDOW,

@@ -21,9 +21,9 @@ PROMPTS = [[(7 * i + 3) % 500 + 10 for i in range(n)] for n in (30, 7, 19)]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, demo_model_dir):
-    import conveyor.kernels
+    import conveyor.kernels.launchers as kernels
 
-    if DEVICE == "cpu" and not conveyor.kernels.INTERPRETED:
+    if DEVICE == "cpu" and not kernels.INTERPRETED:
         pytest.skip("no GPU and TRITON_INTERPRET was not set when conveyor.kernels loaded")
     return write_checkpoint(tmp_path_factory.mktemp("llama"), "llama", demo_model_dir)
 

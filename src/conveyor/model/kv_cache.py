@@ -10,7 +10,7 @@ fp32 scale per (token, head) for K and for V ([2, num_blocks, block_size, num_kv
     so |x[d] - q[d] * scale| <= scale / 2 (plus fp32 rounding), and a token-head costs
     D + 4 bytes instead of 2 * D in fp16: about twice the blocks for the same memory.
 
-The Triton write kernel (conveyor.kernels.write_kv) produces the same bytes as the torch
+The Triton write kernel (conveyor.kernels.kv_write.write_kv) produces the same bytes as the torch
 functions here, which are its reference.
 """
 

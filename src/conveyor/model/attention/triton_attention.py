@@ -53,7 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 def _import_kernels(device: torch.device) -> Any:
-    """conveyor.kernels, or a ValueError saying why it cannot run on `device`."""
+    """conveyor.kernels.launchers, or a ValueError saying why it cannot run on `device`."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "attention_backend 'triton' on CPU runs Triton's interpreter, which must be "
@@ -63,13 +63,13 @@ def _import_kernels(device: torch.device) -> Any:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"attention_backend 'triton' needs a CUDA device, got {device}.")
     try:
-        import conveyor.kernels as kernels
+        import conveyor.kernels.launchers as kernels
     except ImportError as exc:
         raise ValueError(f"attention_backend 'triton' needs triton installed ({exc}).") from exc
     if (device.type == "cpu") != kernels.INTERPRETED:
         raise ValueError(
-            "conveyor.kernels was imported with TRITON_INTERPRET="
+            "conveyor.kernels.launchers was imported with TRITON_INTERPRET="
             f"{int(kernels.INTERPRETED)}, which does not fit device {device}: set it (CPU) or "
-            "unset it (CUDA) before anything imports conveyor.kernels."
+            "unset it (CUDA) before anything imports conveyor.kernels.launchers."
         )
     return kernels
