@@ -150,7 +150,8 @@ static inline void panel_columns4(__m512i q, int off, __m512 scale, __m512 mn, u
         const __m512i v = _mm512_and_si512(_mm512_srli_epi32(q, 8 * b), low);
         f[b] = _mm512_fmsub_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, shift)), mn);
     }
-    _mm512_storeu_si512(pair, _mm512_permutexvar_epi16(zip, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0])));
+    _mm512_storeu_si512(pair,
+                        _mm512_permutexvar_epi16(zip, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0])));
     _mm512_storeu_si512(pair + 32,
                         _mm512_permutexvar_epi16(zip, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2])));
 }
@@ -177,6 +178,14 @@ void quant_k_tile_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *x
                       const q8a_block *x2, int64_t ldx, int rows, const int32_t *xsum,
                       float *out);
 void quant_k_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float *out);
+
+/* Whether these files handle type qtype at width k (whole blocks, whole super-blocks for the
+ * K-quants): the one check of every entry point. */
+static inline int quant_type_fits(int qtype, int64_t k)
+{
+    if (quant_k_block_bytes(qtype) > 0) return k % QK_K == 0;
+    return quant_x8_block_bytes(qtype) > 0 && k % QK == 0;
+}
 
 /* With AVX512-BF16 (CONVEYOR_QUANT_PANELS): a group's sixteen rows, k weights each, as one
  * bf16 panel [k / 2][16][2] (linear.c's layout; quant_gemm.c), the weights those of

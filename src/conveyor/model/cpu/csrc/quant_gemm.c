@@ -12,8 +12,9 @@
  * columns of out (x is rounded to bf16 once per call: the slices are large).
  *
  * Numerics: the weights as dequantized in float32 (quant_*_group_panel, the values of
- * quant_*_row_dequantize), rounded to bf16 (nearest even); x rounded to bf16 by the GEMM, sums in float32. Closer to the file's float32
- * weights than one 8-bit pass of the activations, further than two.
+ * quant_*_row_dequantize), rounded to bf16 (nearest even); x rounded to bf16 by the GEMM,
+ * sums in float32. Closer to the file's float32 weights than one 8-bit pass of the
+ * activations, further than two.
  */
 #include <stdlib.h>
 
@@ -36,8 +37,8 @@ int conveyor_quant_gemm_bf16(int qtype, const uint8_t *w, int64_t ldw, int64_t n
                              const float *x, int64_t ldx, int64_t m, const float *bias,
                              float *out, int64_t ldo, int64_t slice_bytes, int num_threads)
 {
+    if (!quant_type_fits(qtype, k)) return 1;
     const int kquant = quant_k_block_bytes(qtype) > 0;
-    if (kquant ? k % QK_K != 0 : !quant_x8_block_bytes(qtype) || k % QK != 0) return 1;
     const int64_t groups = (n + QG - 1) / QG, panel = k * QG; /* uint16 per panel */
     int64_t per_slice = slice_bytes / (2 * panel);
     per_slice = per_slice < 1 ? 1 : per_slice > groups ? groups : per_slice;

@@ -152,8 +152,8 @@ int conveyor_quant_linear_tiled_f32(int qtype, const uint8_t *w, int64_t ldw, in
                                     int max_tile)
 {
     const int64_t nb = k / QK;
+    if (!quant_type_fits(qtype, k)) return 1;
     const int kquant = quant_k_block_bytes(qtype) > 0;
-    if (kquant ? k % QK_K != 0 : !quant_x8_block_bytes(qtype)) return 1;
     const q8a_block *x = (const q8a_block *)xq, *x2 = passes > 1 ? x + m * nb : 0;
     const int64_t tile = max_tile < 1 ? 1 : max_tile > QT ? QT : max_tile;
     int32_t *xsum = 0;
@@ -206,8 +206,8 @@ int conveyor_quant_rows_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n,
                             const int64_t *ids, int64_t count, float *out, int64_t ldo,
                             int num_threads)
 {
+    if (!quant_type_fits(qtype, k)) return 1;
     const int kquant = quant_k_block_bytes(qtype) > 0;
-    if (kquant ? k % QK_K != 0 : !quant_x8_block_bytes(qtype)) return 1;
     int failed = 0;
     #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(max : failed) \
         if (count * k >= 64 * 1024)
