@@ -34,6 +34,7 @@ from conveyor.entrypoints.engine_client import StepStats
 from conveyor.entrypoints.engine_process import EngineInfo
 from conveyor.entrypoints.engine_thread import EngineThread
 from conveyor.entrypoints.wire import pack_output, picklable
+from conveyor.heap import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ def run_engine_process(config: EngineConfig, commands: Connection, outbox: Conne
         send(("failed", picklable(exc)))
         return
     info = EngineInfo(engine.model_path, engine.limits, engine.config.num_kv_blocks, engine.pooling)
+    release_freed_memory()  # what loading freed (the checkpoint's conversions) leaves the heap
     send(("ready", info))
     beat = EngineBeat(send)
     beat.start()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from conveyor.engine.config import EngineConfig
+from conveyor.heap import release_freed_memory
 from conveyor.server.config import ServerConfig
 
 if TYPE_CHECKING:  # imported in run_server, once the port is ours: they import torch
@@ -102,6 +103,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         # the GIL, an engine thread of this process) under load.
         gc.collect()
         gc.freeze()
+        release_freed_memory()  # what start-up freed (the tokenizer's build) leaves the heap
         server = _GracefulServer(config, engine, grace)
         # uvicorn re-raises a captured Ctrl-C once it has shut down: that is a normal exit.
         with contextlib.suppress(KeyboardInterrupt):
