@@ -14,7 +14,8 @@ arithmetic, 2: the default), after a warm-up, each repeat times a 1-token and an
     floor_ms       the memory floor of a token: the bytes a decode step reads (every weight
                    in memory, as loaded, but the embedding table, of which it reads one row,
                    unless the head shares it) / the read bandwidth (a 512 MiB tensor's sum on
-                   torch's threads, best of the samples taken right after each repeat)
+                   torch's threads, on 2 MiB pages as the weights are, best of the samples
+                   taken right after each repeat)
     tpot_to_floor  tpot_ms / floor_ms (issue 28's single-stream target: at most 1.2 in bf16)
 
 Threads: torch's (set OMP_NUM_THREADS, or --threads).

@@ -16,6 +16,7 @@ functions here, which are its reference.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,7 @@ from typing import Protocol
 import torch
 
 from conveyor.engine.config import KV_CACHE_DTYPES
+from conveyor.model.cpu.huge_pages import ALIGN, arena_empty, huge_page_arena
 
 # The absmax floor: an all-zero row stores zeros with a tiny (harmless) scale. Defined here,
 # not in conveyor.kernels (which needs triton): the Triton write kernel imports it from here.
@@ -88,15 +90,20 @@ def allocate_kv_caches(
     _check_kv_dtype(kv_cache_dtype)
     shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
     layers = range(model_config.num_hidden_layers)
+    kinds = [(shape, torch.int8), (shape[:4], torch.float32)] if kv_cache_dtype == "int8" else []
+    kinds = kinds or [(shape, dtype)]
+    if torch.device(device).type != "cpu":
+        caches = [[torch.zeros(s, dtype=t, device=device) for s, t in kinds] for _ in layers]
+    else:
+        # On 2 MiB pages, as the weights are (model/cpu/huge_pages.py): a decode step reads
+        # blocks all over the cache. One mapping for all layers, no part-used page between.
+        item = {t: torch.empty((), dtype=t).element_size() for _, t in kinds}
+        total = len(layers) * sum(math.prod(s) * item[t] + ALIGN for s, t in kinds)
+        with huge_page_arena(total):
+            caches = [[arena_empty(s, t).zero_() for s, t in kinds] for _ in layers]
     if kv_cache_dtype == "int8":
-        return [
-            QuantizedKVCache(
-                torch.zeros(shape, dtype=torch.int8, device=device),
-                torch.zeros(shape[:4], dtype=torch.float32, device=device),
-            )
-            for _ in layers
-        ]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        return [QuantizedKVCache(data, scales) for data, scales in caches]
+    return [cache for (cache,) in caches]
 
 
 def available_memory_bytes(device: torch.device) -> int | None:

@@ -41,6 +41,7 @@ from torch import nn
 
 from conveyor.engine.config import LINEAR_BACKENDS
 from conveyor.model.cpu import cpu_kernels
+from conveyor.model.cpu.huge_pages import arena_empty
 from conveyor.validation import check_choice
 
 # The row count oneDNN's reorder tunes the blocked layout for; any row count works with it.
@@ -153,7 +154,9 @@ class CpuLinear(nn.Module):
                 padded = weight.new_zeros(-(-n // panel) * panel, kp, dtype=weight_dtype)
                 padded[:n, :k] = weight.detach()
                 packed = padded.view(-1, panel, kp // 2, 2).transpose(1, 2)
-        self.register_buffer("packed_weight", packed.contiguous(), persistent=False)
+            placed = arena_empty(packed.shape, packed.dtype)  # huge pages while loading
+            placed.copy_(packed)
+        self.register_buffer("packed_weight", placed, persistent=False)
         b = None if bias is None else bias.detach().float().contiguous()
         self.register_buffer("bias", b, persistent=False)
         self.in_features, self.out_features = k, n

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from conveyor.model.cpu.huge_pages import arena_empty
+
 # Types kept quantized: GGML's type id, weights per block and bytes per block.
 QUANT_TYPES = {
     "Q8_0": (8, 32, 34),
@@ -157,10 +159,11 @@ def interleave_groups(weight: QuantTensor) -> QuantTensor:
     blocks = np.zeros((groups * GROUP, nb, block_bytes), np.uint8)
     blocks[:rows] = weight.data.numpy().reshape(rows, nb, block_bytes)
     pieces = _interleaved_pieces(weight.qtype, blocks.reshape(groups, GROUP, nb, block_bytes))
-    # Written into a torch allocation: 64-byte aligned, as the kernels' 64-byte loads of a
-    # group's quads want (numpy's 16-byte alignment split every load across two cache lines,
-    # which made the kernels far slower: docs/kernels.md#measured-choices).
-    data = torch.empty(groups, nb * _GROUP_BYTES[weight.qtype], dtype=torch.uint8)
+    # Written into a torch allocation (in the huge-page arena while a model loads:
+    # huge_pages.py): 64-byte aligned, as the kernels' 64-byte loads of a group's quads want
+    # (numpy's 16-byte alignment split every load across two cache lines, which made the
+    # kernels far slower: docs/kernels.md#measured-choices).
+    data = arena_empty((groups, nb * _GROUP_BYTES[weight.qtype]), torch.uint8)
     np.concatenate(pieces, axis=2, out=data.numpy().reshape(groups, nb, -1))
     return QuantTensor(weight.qtype, data, weight.shape, interleaved=True)
 

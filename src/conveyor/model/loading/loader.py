@@ -25,6 +25,7 @@ a tied head then shares the embedding's blocks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections import Counter
@@ -41,6 +42,7 @@ from conveyor.engine.config import DTYPES
 from conveyor.model.attention import get_attention_backend
 from conveyor.model.cpu import cpu_build, cpu_kernels
 from conveyor.model.cpu.fused_layers import FusedLayers
+from conveyor.model.cpu.huge_pages import huge_page_arena
 from conveyor.model.cpu.linear import linear_factory, pack_linears
 from conveyor.model.cpu.quant_linear import (
     QUANT_TYPES,
@@ -275,14 +277,16 @@ def load_weights(
         the model, and the C kernels its forward runs on (None: torch).
     """
     s = settings
-    # Our C kernels run the linears: a GGUF file's QUANT_TYPES blocks stay as they are.
-    model = load_model(
-        path, s.dtype, s.device, s.attention_backend, tp=tp,
-        keep_quantized=s.linear_backend == "cpu", linear_dtype=s.weight_dtype,
-    )  # fmt: skip
-    set_activation_passes(model, config.quant_activation_passes)
-    if s.linear_backend in ("onednn", "cpu"):
-        pack_linears(model, linear_factory(s.linear_backend, s.weight_dtype))
+    # The weights the C kernels stream every step go on 2 MiB pages (huge_pages.py).
+    with huge_page_arena() if s.device.type == "cpu" else contextlib.nullcontext():
+        # Our C kernels run the linears: a GGUF file's QUANT_TYPES blocks stay as they are.
+        model = load_model(
+            path, s.dtype, s.device, s.attention_backend, tp=tp,
+            keep_quantized=s.linear_backend == "cpu", linear_dtype=s.weight_dtype,
+        )  # fmt: skip
+        set_activation_passes(model, config.quant_activation_passes)
+        if s.linear_backend in ("onednn", "cpu"):
+            pack_linears(model, linear_factory(s.linear_backend, s.weight_dtype))
     logger.info("Weights in memory: %.1f MiB.", weight_bytes(model) / 2**20)
     # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
     # the rotary embedding and the sampler's argmax; attention_backend "torch" keeps the
@@ -306,14 +310,26 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages behind `tensors`, each storage counted once."""
-    seen: dict[int, int] = {}
+    """Bytes of memory behind `tensors`, each byte counted once: a tied head, views of one
+    storage, weights side by side in one huge-page mapping (huge_pages.py). A contiguous
+    tensor counts its own bytes, any other its whole storage."""
+    mkldnn: dict[int, int] = {}
+    spans = []
     for t in tensors:
         if t.is_mkldnn:  # oneDNN's packed weight has no storage to read: its elements
-            seen[id(t)] = t.numel() * t.element_size()
-            continue
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+            mkldnn[id(t)] = t.numel() * t.element_size()
+        elif t.is_contiguous():
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+        else:
+            storage = t.untyped_storage()
+            spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    total, reach = 0, 0
+    for start, end in sorted(spans):
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+            reach = end
+    return total + sum(mkldnn.values())
 
 
 def _log_gguf_paths(file: Path, keep_quantized: bool) -> None:
