@@ -17,7 +17,7 @@ from tests.hf_checkpoints import write_checkpoint
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.cpu import huge_pages
-from conveyor.model.cpu.huge_pages import ALIGN, ARENA_CHUNK, ENV, arena_empty, huge_page_arena
+from conveyor.model.cpu.huge_pages import ALIGN, ENV, arena_empty, huge_page_arena
 from conveyor.model.cpu.linear import CpuLinear
 from conveyor.model.cpu.quant_linear import QuantLinear
 from conveyor.model.loading.loader import storage_bytes, weight_bytes
@@ -41,7 +41,7 @@ def _advised_huge(ptr: int) -> bool:
 
 
 def test_the_arena_places_tensors_aligned_side_by_side_and_they_outlive_it():
-    with huge_page_arena() as arena:
+    with huge_page_arena(4 << 20) as arena:  # 4 MiB mappings
         small = [arena_empty((3, 5), torch.bfloat16) for _ in range(3)]
         big = arena_empty((arena.chunk_bytes // 4 + 1,), torch.float32)  # its own mapping
         after = arena_empty((16,), torch.uint8)
@@ -52,7 +52,7 @@ def test_the_arena_places_tensors_aligned_side_by_side_and_they_outlive_it():
     # 30 bytes each, the next on the next cache line of the same mapping
     assert [b - a for a, b in itertools.pairwise(ptrs)] == [ALIGN, ALIGN]
     assert after.data_ptr() == ptrs[-1] + ALIGN  # the big one did not close the chunk
-    assert big.data_ptr() % 4096 == 0 and big.numel() == ARENA_CHUNK // 4 + 1
+    assert big.data_ptr() % 4096 == 0 and big.numel() == (1 << 20) + 1
     for i, t in enumerate(small):
         t.fill_(i)
     big.fill_(2.5)

@@ -32,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ARENA_CHUNK = 64 << 20  # bytes a mapping holds, unless one tensor needs more
+ARENA_CHUNK = 256 << 20  # bytes a mapping holds, unless one tensor needs more
 ENV = "CONVEYOR_HUGE_PAGES"  # "0": tensors where torch puts them (4 KiB pages here)
 ALIGN = 64  # a tensor's first byte: a cache line's
 
