@@ -40,7 +40,7 @@ def _advised_huge(ptr: int) -> bool:
     raise AssertionError(f"no mapping holds {ptr:#x}")
 
 
-def test_the_arena_places_tensors_aligned_side_by_side_and_they_outlive_it():
+def test_the_arena_places_tensors_aligned_side_by_side_and_they_outlive_it(monkeypatch):
     with huge_page_arena(4 << 20) as arena:  # 4 MiB mappings
         small = [arena_empty((3, 5), torch.bfloat16) for _ in range(3)]
         big = arena_empty((arena.chunk_bytes // 4 + 1,), torch.float32)  # its own mapping
@@ -60,8 +60,9 @@ def test_the_arena_places_tensors_aligned_side_by_side_and_they_outlive_it():
     assert all(_advised_huge(t.data_ptr()) for t in (*small, big))
     # one byte counted once: side by side in one storage, each tensor's own bytes
     assert storage_bytes([*small, small[0], big]) == 3 * 30 + big.numel() * 4
-    # outside the context: torch's own allocation
-    assert not _advised_huge(arena_empty((1 << 20,), torch.float32).data_ptr())
+    # outside the context: torch's own allocation, no mapping
+    monkeypatch.setattr(huge_pages, "_mapping", None)
+    assert arena_empty((1 << 20,), torch.float32).numel() == 1 << 20
 
 
 @pytest.mark.skipif(
@@ -86,9 +87,22 @@ def _streamed_weights(llm: LLM) -> list[torch.Tensor]:
     return out
 
 
-def _run(model: str, monkeypatch, env: str, **kwargs) -> tuple[list[list[int]], list, int]:
+def _run(model: str, monkeypatch, env: str, **kwargs) -> tuple[list[list[int]], list, list]:
+    """The greedy tokens of a model loaded with $CONVEYOR_HUGE_PAGES=`env`; for each streamed
+    weight and KV cache tensor, whether it lies in one of the arena's mappings, and whether
+    its mapping was advised MADV_HUGEPAGE."""
     monkeypatch.setenv(ENV, env)
+    mappings: list[tuple[int, int]] = []
+    real_mapping = huge_pages._mapping
+
+    def recorded(nbytes: int) -> torch.Tensor:
+        region = real_mapping(nbytes)
+        mappings.append((region.data_ptr(), nbytes))
+        return region
+
+    monkeypatch.setattr(huge_pages, "_mapping", recorded)
     llm = LLM(model, num_kv_blocks=32, **kwargs)
+    monkeypatch.setattr(huge_pages, "_mapping", real_mapping)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     outs = llm.generate([[5, 9, 2, 7], [11, 3]], params, use_tqdm=False)
     weights = _streamed_weights(llm)
@@ -97,23 +111,30 @@ def _run(model: str, monkeypatch, env: str, **kwargs) -> tuple[list[list[int]], 
         for c in llm.llm_engine.runner.kv_caches
         for t in ([c] if isinstance(c, torch.Tensor) else [c.data, c.scales])
     ]
-    advised = [_advised_huge(t.data_ptr()) for t in (*weights, *caches)]
+    tensors = [*weights, *caches]
+    in_arena = [any(a <= t.data_ptr() < a + n for a, n in mappings) for t in tensors]
+    advised = [_advised_huge(t.data_ptr()) for t in tensors]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    assert weights and storage_bytes(weights) == nbytes  # not the arena's chunk sizes
+    assert weights and storage_bytes(weights) == nbytes  # not the arena's mapping sizes
     assert weight_bytes(llm.llm_engine.runner.model) < 64 << 20  # the small model's own
-    return [o.outputs[0].token_ids for o in outs], advised, nbytes
+    return [o.outputs[0].token_ids for o in outs], in_arena, advised
+
+
+def _check_on_and_off(model: str, monkeypatch, **kwargs) -> None:
+    tokens, in_arena, advised = _run(model, monkeypatch, "1", **kwargs)
+    assert in_arena and all(in_arena) and all(advised)
+    # off: torch's own allocations (which may still sit where numpy once asked for huge
+    # pages, so only the arena is checked)
+    tokens_off, in_arena_off, _ = _run(model, monkeypatch, "0", **kwargs)
+    assert not any(in_arena_off)
+    assert tokens == tokens_off
 
 
 @pytest.mark.parametrize(("dtype", "kv"), [("bfloat16", "auto"), ("float32", "int8")])
 def test_a_loaded_models_linears_and_kv_cache_are_in_the_arena_and_give_the_same_tokens(
     demo_model_dir, kernels, monkeypatch, dtype, kv
 ):
-    kwargs = dict(dtype=dtype, kv_cache_dtype=kv)
-    tokens, advised, _ = _run(str(demo_model_dir), monkeypatch, "1", **kwargs)
-    assert all(advised)
-    tokens_off, advised_off, _ = _run(str(demo_model_dir), monkeypatch, "0", **kwargs)
-    assert not any(advised_off)
-    assert tokens == tokens_off
+    _check_on_and_off(str(demo_model_dir), monkeypatch, dtype=dtype, kv_cache_dtype=kv)
 
 
 def test_a_gguf_files_kept_blocks_and_kv_cache_are_in_the_arena_and_give_the_same_tokens(
@@ -121,8 +142,4 @@ def test_a_gguf_files_kept_blocks_and_kv_cache_are_in_the_arena_and_give_the_sam
 ):
     hf_dir = write_checkpoint(tmp_path / "hf", "llama", tiny_tokenizer_dir)
     file = write_gguf(hf_dir, tmp_path / "m.gguf", QType.Q8_0)
-    tokens, advised, _ = _run(str(file), monkeypatch, "1", dtype="float32")
-    assert advised and all(advised)
-    tokens_off, advised_off, _ = _run(str(file), monkeypatch, "0", dtype="float32")
-    assert not any(advised_off)
-    assert tokens == tokens_off
+    _check_on_and_off(str(file), monkeypatch, dtype="float32")
