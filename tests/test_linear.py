@@ -316,3 +316,56 @@ def test_decode_sized_batches_give_each_row_what_it_gets_alone(kernels, weight_d
     )
     want = xr @ w.T + bias.double()
     torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_panels_are_stored_four_to_a_group_line_by_line(kernels, weight_dtype):
+    """The packed weight: panels of 16 columns, in groups of four stored line by line (line q
+    of each of the group's panels, then line q + 1), the last group the panels left over; a
+    line one k of float32 or one pair of k of bf16. A decode step reads a group as one stream."""
+    n, k = 16 * 6 + 3, 6  # a group of four panels, then one of three (the last partial)
+    weight = torch.arange(n * k, dtype=torch.float32).view(n, k)  # exact in bf16 below 256
+    weight = weight % 251
+    packed = CpuLinear(weight, None, kernels, weight_dtype).packed_weight
+    w = weight.to(weight_dtype)
+    pairs = weight_dtype == torch.bfloat16
+    lines = k // 2 if pairs else k
+    assert packed.shape[0] == 7 * lines
+    for p in range(7):
+        group, slot, size = p // 4, p % 4, 4 if p < 4 else 3
+        for q in range(lines):
+            line = packed[group * 4 * lines + q * size + slot]
+            cols = torch.arange(16 * p, min(16 * p + 16, n))
+            if pairs:  # column j's k = 2q and 2q + 1 side by side
+                assert torch.equal(line[: len(cols)], w[cols][:, 2 * q : 2 * q + 2]), (p, q)
+            else:
+                assert torch.equal(line[: len(cols)], w[cols, q]), (p, q)
+            assert not line[len(cols) :].any()  # the partial panel's zero columns
+
+
+@pytest.mark.skipif(
+    cpu_kernels.load() is None or cpu_kernels.load().linear_isa != "avx512-bf16",
+    reason="the vdpbf16ps GEMM's group argument (GGUF prefill's panels one to a group)",
+)
+@pytest.mark.parametrize("rows", [1, 5, 70, 300])
+def test_the_bf16_gemm_gives_the_same_bits_on_panels_one_to_a_group(kernels, rows):
+    """quant_gemm.c hands the GEMM panels one to a group: on them the same weights give the
+    same outputs, bit for bit, as CpuLinear's groups of four, on every path (decode groups,
+    single panels, prefill tiles)."""
+    import ctypes
+
+    torch.manual_seed(rows)
+    n, k = 16 * 9 + 5, 131  # groups of four, a partial last group, an odd K
+    weight, bias = torch.randn(n, k) / k**0.5, torch.randn(n)
+    lin = CpuLinear(weight, bias, kernels, torch.bfloat16)
+    padded = torch.zeros(160, k + 1, dtype=torch.bfloat16)
+    padded[:n, :k] = weight.bfloat16()
+    flat = padded.view(10, 16, (k + 1) // 2, 2).transpose(1, 2).contiguous()  # [P, K/2, 16, 2]
+    x = torch.randn(rows, k)
+    out = torch.empty(rows, n)
+    kernels.fns["conveyor_linear_bf16_grouped"](
+        x.data_ptr(), k, rows, flat.data_ptr(), n, k, bias.data_ptr(), out.data_ptr(), n,
+        torch.get_num_threads(), ctypes.c_int32(1),
+    )  # fmt: skip
+    with torch.inference_mode():
+        assert torch.equal(out, lin(x))

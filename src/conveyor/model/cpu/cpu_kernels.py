@@ -67,6 +67,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_argmax_f32": (_ARGMAX_ARGS, None),
     "conveyor_linear_f32": (_LINEAR_ARGS, None),
     "conveyor_linear_bf16": (_LINEAR_ARGS, None),
+    # bf16 panels one to a group (quant_gemm.c's slices) or PANEL_GROUP to one
+    "conveyor_linear_bf16_grouped": ([*_LINEAR_ARGS, _I32], None),
     "conveyor_linear_bf16_widened": (_LINEAR_ARGS, None),
     "conveyor_linear_f32_vectorized": ([], ctypes.c_int),
     "conveyor_linear_isa": ([], ctypes.c_int),
@@ -79,8 +81,10 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # every decoder layer of a step (conveyor.model.cpu.fused_layers wraps it)
     "conveyor_decoder_layers": ([_P, _I32, *[_P] * 10], ctypes.c_int),
 }
-# Output columns per panel of a packed weight (csrc/linear.c's NR).
+# Output columns per panel of a packed weight (csrc/linear.c's NR), and panels per group:
+# a group's panels are stored line by line (csrc/linear.c's PANEL_GROUP).
 LINEAR_PANEL = 16
+LINEAR_PANEL_GROUP = 4
 # The GEMM a build has, by conveyor_linear_isa's number (csrc/linear.c): the portable loop,
 # AVX2 + FMA, AVX-512 (bf16 weights widened to float32), AVX-512 with bf16 panels through
 # vdpbf16ps (x rounded to bf16).

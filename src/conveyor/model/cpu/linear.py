@@ -120,13 +120,37 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+def group_panels(panels: torch.Tensor) -> torch.Tensor:
+    """[P, L, ...] panels (L 64-byte lines each) -> [P * L, ...] in groups of
+    LINEAR_PANEL_GROUP panels stored line by line: each group's line 0 of every panel, then
+    line 1, ... (the last group holds the panels left over), as csrc/linear.c reads them."""
+    group = cpu_kernels.LINEAR_PANEL_GROUP
+    full = panels.shape[0] // group * group
+    head = panels[:full].unflatten(0, (-1, group)).transpose(1, 2).reshape(-1, *panels.shape[2:])
+    tail = panels[full:].transpose(0, 1).reshape(-1, *panels.shape[2:])
+    return torch.cat([head, tail])
+
+
+def panel_lines(ids: torch.Tensor, panels: int, lines: int) -> torch.Tensor:
+    """[len(ids), lines]: the line (group_panels' first index) holding each of output
+    columns `ids`' lines, in order."""
+    group = cpu_kernels.LINEAR_PANEL_GROUP
+    p = ids // cpu_kernels.LINEAR_PANEL
+    first = p // group * group
+    in_group = (panels - first).clamp(max=group)  # the panels of p's group
+    start = first * lines + p % group
+    return start[:, None] + torch.arange(lines)[None, :] * in_group[:, None]
+
+
 class CpuLinear(nn.Module):
     """y = x @ W.T + b through csrc/linear.c, W held in 16-column panels (inference only).
 
-    `weight_dtype` float32 keeps W exactly; bfloat16 holds it in half the bytes (rounded to
-    nearest), as [ceil(N / 16), ceil(K / 2), 16, 2]: k in pairs, the operand vdpbf16ps
-    takes (linear.c). x, b and y are float32 either way; where the build has AVX512-BF16
-    (`kernels.linear_isa` "avx512-bf16") the kernel rounds x to bf16 for the products.
+    `weight_dtype` float32 keeps W exactly, a panel's line one k's 16 weights; bfloat16 holds
+    it in half the bytes (rounded to nearest), a line one pair of k's 16 pairs ([16, 2]: k in
+    pairs, the operand vdpbf16ps takes; linear.c). The panels are stored in groups of four,
+    line by line (group_panels), so a decode step reads them as one stream. x, b and y are
+    float32 either way; where the build has AVX512-BF16 (`kernels.linear_isa`
+    "avx512-bf16") the kernel rounds x to bf16 for the products.
     """
 
     def __init__(
@@ -154,6 +178,7 @@ class CpuLinear(nn.Module):
                 padded = weight.new_zeros(-(-n // panel) * panel, kp, dtype=weight_dtype)
                 padded[:n, :k] = weight.detach()
                 packed = padded.view(-1, panel, kp // 2, 2).transpose(1, 2)
+            packed = group_panels(packed)
             placed = arena_empty(packed.shape, packed.dtype)  # huge pages while loading
             placed.copy_(packed)
         self.register_buffer("packed_weight", placed, persistent=False)
@@ -165,12 +190,15 @@ class CpuLinear(nn.Module):
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W as float32 [len(ids), K]: an embedding lookup in the head's
         weights, for a model whose head is its embedding matrix (tied)."""
-        panel = cpu_kernels.LINEAR_PANEL
         packed = self.packed_weight
+        panels = -(-self.out_features // cpu_kernels.LINEAR_PANEL)
+        lines = packed.shape[0] // panels
+        at = panel_lines(ids, panels, lines)
+        col = (ids % cpu_kernels.LINEAR_PANEL)[:, None]
         if packed.dtype == torch.float32:
-            return packed[ids // panel, :, ids % panel]
+            return packed[at, col]
         # bf16 pairs: [len(ids), K / 2, 2] -> [len(ids), K] (less an odd K's padding)
-        rows = packed[ids // panel, :, ids % panel, :]
+        rows = packed[at, col, :]
         return rows.reshape(len(ids), -1)[:, : self.in_features].float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

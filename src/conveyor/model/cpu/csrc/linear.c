@@ -1,8 +1,9 @@
 /* Linear layers for CPU: out = x @ W^T + bias, x, bias and out float32, with W [N, K] packed
  * once at load into panels of NR = 16 output columns (the last panel zero-padded;
- * conveyor.model.cpu.linear.CpuLinear packs them): float32 [ceil(N / 16)][K][16]
- * (conveyor_linear_f32) or bfloat16 [ceil(N / 16)][ceil(K / 2)][16][2], k in pairs
- * (conveyor_linear_bf16: half the bytes to stream). linear_gemm.h is the kernel, once per
+ * conveyor.model.cpu.linear.CpuLinear packs them), a panel a run of 64-byte lines: float32,
+ * a line one k's 16 weights (conveyor_linear_f32), or bfloat16, a line one pair of k's 16
+ * pairs [16][2] (conveyor_linear_bf16: half the bytes to stream). The panels are stored four
+ * to a group, line by line (PANEL_GROUP below). linear_gemm.h is the kernel, once per
  * weight type; the build picks one of four paths by what the compiler may use (-march=native:
  * this CPU's features; CONVEYOR_CPU_ISA forces a lower one), and conveyor_linear_isa says
  * which:
@@ -32,7 +33,8 @@
  * K in blocks of KC (a panel's block of 16 x KC weights stays in L1/L2 while the row blocks
  * reuse it; the partial sums wait in out). Threads split the panels. The first row block of
  * each panel prefetches the weights ahead of it: at decode batch sizes (a few to a few dozen
- * rows) the weights stream from DRAM once per step and this is what bounds a step.
+ * rows) the weights stream from DRAM once per step and this is what bounds a step; a thread
+ * reads a group of four panels as one stream.
  * benchmarks/linear_bf16.py measures each path against oneDNN and torch (docs/benchmarks.md).
  */
 #include <stdint.h>
@@ -52,6 +54,26 @@
 #endif
 
 #define NR 16
+/* Panels are stored in groups of PANEL_GROUP side by side, line by line (a line: one k's 16
+ * float32, or one pair of k's 16 bf16 pairs; 64 bytes either way): the group's line 0 of each
+ * panel, then line 1 of each, ... (the last group has the panels left over). A decode step,
+ * which takes a group's panels together (WIDE_P, the same four), so reads the weights as one
+ * stream per thread. Four streams per thread, one per panel, read 12-25 % slower on this
+ * VM's EPYC (docs/kernels.md#measured-choices). quant_gemm.c's slices are panels one to a
+ * group (conveyor_linear_bf16_grouped). */
+#define PANEL_GROUP 4
+
+/* The line index of panel p's first line, `lines` lines a panel, and the lines between two
+ * of its consecutive lines (the panels in its group). */
+static inline int64_t panel_line0(int64_t p, int64_t lines, int group)
+{
+    return (p / group) * group * lines + p % group;
+}
+static inline int64_t panel_qs(int64_t p, int64_t panels, int group)
+{
+    const int64_t rest = panels - (p / group) * group;
+    return rest < group ? rest : group;
+}
 #define KC 256 /* a panel's block: 16 KiB of float32 (or of bf16 pairs in vdpbf16ps's loop) */
 #define PARALLEL_MIN_FLOPS (1 << 16)
 #define PACK_PARALLEL_MIN (1 << 15) /* x's values rounded and spread by every thread */
@@ -60,7 +82,7 @@
 /* 32 zmm registers: MR accumulators, the panel's zmm and the broadcast x. */
 #define MR 16
 #define MC 288 /* a multiple of MR: 288 x 256 floats of x, 288 KiB */
-#define PREFETCH_BYTES 1024 /* ahead in the panel's stream */
+#define PREFETCH_LINES 32 /* ahead in the panel's own lines (2 KiB of them; 16 read 2-5 % slower) */
 #define MICROS_ALL                                                                             \
     MICRO(16) MICRO(15) MICRO(14) MICRO(13) MICRO(12) MICRO(11) MICRO(10) MICRO(9) MICRO(8)   \
         MICRO(7) MICRO(6) MICRO(5) MICRO(4) MICRO(3) MICRO(2) MICRO(1)
@@ -173,17 +195,21 @@ static inline __attribute__((always_inline)) void store_row(float *o, int cols, 
 #define W_T float
 #define SUFFIX _f32
 #define KSTEP(k) (k)
+#define K_PER_LINE 1
 #define PREFETCH_ODD 1 /* every k starts a 64-byte line */
-#define LOAD_W(panel, kk, odd, w0, w1)                                                         \
-    (w0 = _mm256_loadu_ps((panel) + (kk) * NR), w1 = _mm256_loadu_ps((panel) + (kk) * NR + 8))
-#define LOAD_W512(panel, kk, odd) _mm512_loadu_ps((panel) + (kk) * NR)
-#define W_AT(panel, kk, j) ((panel)[(kk) * NR + (j)])
+#define LINE_AT(panel, kk, qs) ((panel) + (kk) * (qs))
+#define LOAD_W(panel, kk, odd, qs, w0, w1)                                                     \
+    (w0 = _mm256_loadu_ps(LINE_AT(panel, kk, qs)), w1 = _mm256_loadu_ps(LINE_AT(panel, kk, qs) + 8))
+#define LOAD_W512(panel, kk, odd, qs) _mm512_loadu_ps(LINE_AT(panel, kk, qs))
+#define W_AT(panel, kk, j, qs) (LINE_AT(panel, kk, qs)[j])
 #include "linear_gemm.h"
 #undef GEMM_FN
 #undef W_T
 #undef SUFFIX
 #undef KSTEP
+#undef K_PER_LINE
 #undef PREFETCH_ODD
+#undef LINE_AT
 #undef LOAD_W
 #undef LOAD_W512
 #undef W_AT
@@ -194,9 +220,9 @@ static inline __attribute__((always_inline)) void store_row(float *o, int cols, 
  * widened, a bf16 is the top half of its float32, so one load of a pair's words gives both
  * k in one integer operation each: a shift left by 16 (even k) or a mask of the high halves
  * (odd k). Widened, the products and sums are float32, as with float32 weights. */
-static inline float bf16_at(const uint16_t *panel, int64_t kk, int j)
+static inline float bf16_at(const uint16_t *line, int64_t kk, int j)
 {
-    const uint32_t bits = (uint32_t)panel[(kk >> 1) * 2 * NR + 2 * j + (kk & 1)] << 16;
+    const uint32_t bits = (uint32_t)line[2 * j + (kk & 1)] << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
@@ -204,21 +230,22 @@ static inline float bf16_at(const uint16_t *panel, int64_t kk, int j)
 #define W_T uint16_t
 #define SUFFIX _bf16
 #define KSTEP(k) ((k) + ((k) & 1))
+#define K_PER_LINE 2
 #define PREFETCH_ODD 0 /* a pair of k is one 64-byte line */
-#define LOAD_W(panel, kk, odd, w0, w1)                                                         \
+#define LINE_AT(panel, kk, qs) ((panel) + ((kk) >> 1) * (qs))
+#define LOAD_W(panel, kk, odd, qs, w0, w1)                                                     \
     do {                                                                                       \
-        const __m256i *p_ = (const __m256i *)((panel) + ((kk) >> 1) * 2 * NR);                 \
+        const __m256i *p_ = (const __m256i *)LINE_AT(panel, kk, qs);                           \
         const __m256i v0_ = _mm256_loadu_si256(p_), v1_ = _mm256_loadu_si256(p_ + 1);          \
         const __m256i hi_ = _mm256_set1_epi32((int)0xFFFF0000u);                               \
         w0 = _mm256_castsi256_ps(odd ? _mm256_and_si256(v0_, hi_) : _mm256_slli_epi32(v0_, 16)); \
         w1 = _mm256_castsi256_ps(odd ? _mm256_and_si256(v1_, hi_) : _mm256_slli_epi32(v1_, 16)); \
     } while (0)
-#define LOAD_W512(panel, kk, odd)                                                              \
-    _mm512_castsi512_ps(                                                                       \
-        odd ? _mm512_and_si512(_mm512_loadu_si512((panel) + ((kk) >> 1) * 2 * NR),             \
-                               _mm512_set1_epi32((int)0xFFFF0000u))                            \
-            : _mm512_slli_epi32(_mm512_loadu_si512((panel) + ((kk) >> 1) * 2 * NR), 16))
-#define W_AT(panel, kk, j) bf16_at(panel, kk, j)
+#define LOAD_W512(panel, kk, odd, qs)                                                          \
+    _mm512_castsi512_ps(odd ? _mm512_and_si512(_mm512_loadu_si512(LINE_AT(panel, kk, qs)),     \
+                                               _mm512_set1_epi32((int)0xFFFF0000u))            \
+                            : _mm512_slli_epi32(_mm512_loadu_si512(LINE_AT(panel, kk, qs)), 16))
+#define W_AT(panel, kk, j, qs) bf16_at(LINE_AT(panel, kk, qs), kk, j)
 /* With vdpbf16ps the widening kernel is a second entry point (benchmarks, tests). */
 #if defined(CONVEYOR_DPBF16)
 #define GEMM_FN conveyor_linear_bf16_widened
@@ -230,7 +257,9 @@ static inline float bf16_at(const uint16_t *panel, int64_t kk, int j)
 #undef W_T
 #undef SUFFIX
 #undef KSTEP
+#undef K_PER_LINE
 #undef PREFETCH_ODD
+#undef LINE_AT
 #undef LOAD_W
 #undef LOAD_W512
 #undef W_AT
@@ -276,9 +305,10 @@ static void pack_pairs_row(const float *x, int64_t k, uint32_t *blk)
 }
 
 /* As MICRO_P in linear_gemm.h, on pairs: xp packed as pack_rows packs floats (row r's pair q
- * at xp[q MR + r]), the panel's pair q of its 16 columns one 64-byte line. */
+ * at xp[q MR + r]), the panel's pair q of its 16 columns one 64-byte line, qs uint16 after
+ * pair q - 1's. */
 #define MICRO_DP(R, P, NAME)                                                                   \
-    static void NAME(const uint32_t *xp, int64_t pstride, const uint16_t *panel,             \
+    static void NAME(const uint32_t *xp, int64_t pstride, const uint16_t *panel, int64_t qs,  \
                      int64_t pairs, const float *bias, int first, int prefetch, float *o,      \
                      int64_t ldo, int cols)                                                    \
     {                                                                                          \
@@ -294,8 +324,8 @@ static void pack_pairs_row(const float *x, int64_t k, uint32_t *blk)
         }                                                                                      \
         for (int64_t q = 0; q < pairs; q++) {                                                  \
             _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                             \
-                const uint16_t *pj = panel + j * pstride + q * 2 * NR;                         \
-                if (prefetch) _mm_prefetch((const char *)pj + PREFETCH_BYTES, _MM_HINT_T0);    \
+                const uint16_t *pj = panel + j * pstride + q * qs;                             \
+                if (prefetch) _mm_prefetch((const char *)(pj + PREFETCH_LINES * qs), _MM_HINT_T0); \
                 const __m512bh w = (__m512bh)_mm512_loadu_si512(pj);                           \
                 _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                \
                     _mm512_dpbf16_ps(c[j][r], (__m512bh)_mm512_set1_epi32((int)xp[q * MR + r]), \
@@ -341,8 +371,8 @@ MICRO_DP(1, WIDE_P, wide1_dp)
  * memory, where the micro-kernels' prefetching 16 x 1 blocks are as fast or faster
  * (docs/kernels.md#measured-choices). */
 #define TILE_MIN_ROWS 64
-static void tile_dp(const uint32_t *xp, int64_t pstride, const uint16_t *panel, int64_t pairs,
-                    const float *bias, int first, float *o, int64_t ldo, int rows)
+static void tile_dp(const uint32_t *xp, const uint16_t *const panel[TP], const int64_t qs[TP],
+                    int64_t pairs, const float *bias, int first, float *o, int64_t ldo, int rows)
 {
     __m512 c[TR][TP];
     for (int j = 0; j < TP; j++) {
@@ -353,7 +383,7 @@ static void tile_dp(const uint32_t *xp, int64_t pstride, const uint16_t *panel, 
     for (int64_t q = 0; q < pairs; q++) {
         __m512bh w[TP];
         _Pragma("GCC unroll 3") for (int j = 0; j < TP; j++) w[j] =
-            (__m512bh)_mm512_loadu_si512(panel + j * pstride + q * 2 * NR);
+            (__m512bh)_mm512_loadu_si512(panel[j] + q * qs[j]);
         _Pragma("GCC unroll 8") for (int r = 0; r < TR; r++) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[q * MR + r]);
             _Pragma("GCC unroll 3") for (int j = 0; j < TP; j++) c[r][j] =
@@ -365,17 +395,19 @@ static void tile_dp(const uint32_t *xp, int64_t pstride, const uint16_t *panel, 
             _mm512_storeu_ps(o + r * ldo + j * NR, c[r][j]);
 }
 
-typedef void (*micro_dp_fn)(const uint32_t *, int64_t, const uint16_t *, int64_t, const float *,
-                            int, int, float *, int64_t, int);
+typedef void (*micro_dp_fn)(const uint32_t *, int64_t, const uint16_t *, int64_t, int64_t,
+                            const float *, int, int, float *, int64_t, int);
 static const micro_dp_fn micros_dp[MR + 1] = {
     0,          micro1_dp,  micro2_dp,  micro3_dp,  micro4_dp,  micro5_dp,
     micro6_dp,  micro7_dp,  micro8_dp,  micro9_dp,  micro10_dp, micro11_dp,
     micro12_dp, micro13_dp, micro14_dp, micro15_dp, micro16_dp};
 static const micro_dp_fn wides_dp[WIDE_R + 1] = {0, wide1_dp, wide2_dp, wide3_dp, wide4_dp};
 
-void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
-                          int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
-                          int num_threads)
+/* out = x . W^T + bias on bf16 panels in groups of `group` (PANEL_GROUP: CpuLinear's; 1:
+ * quant_gemm.c's slices). */
+void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
+                                  int64_t n, int64_t k, const float *bias, float *out,
+                                  int64_t ldo, int num_threads, int group)
 {
     const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, qc = KC;
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
@@ -384,9 +416,11 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
     const size_t words = block_rows * (size_t)(kp ? kp : 1);
     uint32_t *xp = pack_buffer(words * sizeof *xp);
     if (!xp) { /* no memory for the rounded rows: the widening kernel packs on the stack */
-        conveyor_linear_bf16_widened(x, ldx, m, packed, n, k, bias, out, ldo, num_threads);
+        gemm_grouped_bf16(x, ldx, m, packed, n, k, bias, out, ldo, num_threads, group);
         return;
     }
+#define PANEL(p) (packed + panel_line0(p, kp, group) * 2 * NR) /* its pair 0 */
+#define QS(p) (panel_qs(p, panels, group) * 2 * NR)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mb = m - m0 < MC ? m - m0 : MC;
         #pragma omp parallel for num_threads(num_threads) schedule(static) \
@@ -404,16 +438,19 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
                     for (int64_t p = p0; p < p0 + np; p += (np == WIDE_P ? WIDE_P : 1)) {
                         const int64_t last = np == WIDE_P ? p + WIDE_P - 1 : p;
                         const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
-                        const uint16_t *panel = packed + (p * kp + q0) * 2 * NR;
+                        const int64_t qs = QS(p);
+                        const uint16_t *panel = PANEL(p) + q0 * qs;
                         const float *pb = bias ? bias + p * NR : 0;
                         if (np != WIDE_P) { /* the last panels, one at a time */
-                            micros_dp[mb](xp + q0 * MR, 0, panel, qb, pb, q0 == 0, 1,
+                            micros_dp[mb](xp + q0 * MR, 0, panel, qs, qb, pb, q0 == 0, 1,
                                           out + m0 * ldo + p * NR, ldo, cols);
                             continue;
                         }
+                        /* one group (WIDE_P is PANEL_GROUP), or panels one to a group */
+                        const int64_t pstride = group == 1 ? kp * 2 * NR : 2 * NR;
                         for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
                             wides_dp[mb - r < WIDE_R ? mb - r : WIDE_R](
-                                xp + q0 * MR + r, kp * 2 * NR, panel, qb, pb, q0 == 0, r == 0,
+                                xp + q0 * MR + r, pstride, panel, qs, qb, pb, q0 == 0, r == 0,
                                 out + (m0 + r) * ldo + p * NR, ldo, cols);
                     }
                 }
@@ -426,17 +463,21 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
         #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t p = g * TP;
+            const uint16_t *first[TP];
+            int64_t qs[TP];
+            for (int j = 0; j < TP; j++) first[j] = PANEL(p + j), qs[j] = QS(p + j);
             for (int64_t q0 = 0; q0 == 0 || q0 < kp; q0 += TQ) {
                 const int64_t qb = kp - q0 < TQ ? kp - q0 : TQ;
-                const uint16_t *panel = packed + (p * kp + q0) * 2 * NR;
+                const uint16_t *panel[TP];
+                for (int j = 0; j < TP; j++) panel[j] = first[j] + q0 * qs[j];
                 int64_t r = 0;
                 for (; r + TR <= mb; r += TR)
-                    tile_dp(xp + (r / MR) * MR * kp + r % MR + q0 * MR, kp * 2 * NR, panel, qb,
+                    tile_dp(xp + (r / MR) * MR * kp + r % MR + q0 * MR, panel, qs, qb,
                             bias ? bias + p * NR : 0, q0 == 0, out + (m0 + r) * ldo + p * NR,
                             ldo, TR);
                 for (int64_t j = 0; r < mb && j < TP; j++)
-                    micros_dp[mb - r](xp + (r / MR) * MR * kp + r % MR + q0 * MR, 0, panel + j * kp * 2 * NR, qb,
-                                      bias ? bias + (p + j) * NR : 0, q0 == 0, 0,
+                    micros_dp[mb - r](xp + (r / MR) * MR * kp + r % MR + q0 * MR, 0, panel[j],
+                                      qs[j], qb, bias ? bias + (p + j) * NR : 0, q0 == 0, 0,
                                       out + (m0 + r) * ldo + (p + j) * NR, ldo, NR);
             }
         }
@@ -445,17 +486,28 @@ void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
             const float *pbias = bias ? bias + p * NR : 0;
             float *o = out + m0 * ldo + p * NR;
+            const int64_t qs = QS(p);
             for (int64_t q0 = 0; q0 == 0 || q0 < kp; q0 += qc) { /* K = 0: the bias */
                 const int64_t qb = kp - q0 < qc ? kp - q0 : qc;
-                const uint16_t *panel = packed + (p * kp + q0) * 2 * NR;
+                const uint16_t *panel = PANEL(p) + q0 * qs;
                 for (int64_t r = 0; r < mb; r += MR) {
                     const int rows = (int)(mb - r < MR ? mb - r : MR);
-                    micros_dp[rows](xp + r * kp + q0 * MR, 0, panel, qb, pbias, q0 == 0, r == 0,
-                                    o + r * ldo, ldo, cols);
+                    micros_dp[rows](xp + r * kp + q0 * MR, 0, panel, qs, qb, pbias, q0 == 0,
+                                    r == 0, o + r * ldo, ldo, cols);
                 }
             }
         }
     }
+#undef PANEL
+#undef QS
+}
+
+void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
+                          int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
+                          int num_threads)
+{
+    conveyor_linear_bf16_grouped(x, ldx, m, packed, n, k, bias, out, ldo, num_threads,
+                                 PANEL_GROUP);
 }
 
 #else
@@ -467,6 +519,13 @@ void conveyor_linear_bf16_widened(const float *x, int64_t ldx, int64_t m,
                                   const float *bias, float *out, int64_t ldo, int num_threads)
 {
     conveyor_linear_bf16(x, ldx, m, packed, n, k, bias, out, ldo, num_threads);
+}
+
+void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
+                                  int64_t n, int64_t k, const float *bias, float *out,
+                                  int64_t ldo, int num_threads, int group)
+{
+    gemm_grouped_bf16(x, ldx, m, packed, n, k, bias, out, ldo, num_threads, group);
 }
 
 #endif

@@ -4,10 +4,15 @@
  *   GEMM_FN      the entry point's name
  *   W_T          the packed weights' element type
  *   KSTEP(k)     a panel's length in k as stored (K, or K rounded up to the pair for bf16)
- *   LOAD_W(panel, kk, w0, w1)   (AVX2) columns 0-7 and 8-15 of k = kk as two __m256
- *   LOAD_W512(panel, kk)        (AVX-512) the 16 columns of k = kk as one __m512
- *   W_AT(panel, kk, j)          (portable) column j of k = kk as a float
+ *   K_PER_LINE   k per 64-byte line of a panel (1 for float32, 2 for bf16 pairs)
+ *   LINE_AT(panel, kk, qs)          the line holding k = kk, lines qs elements apart
+ *   LOAD_W(panel, kk, odd, qs, w0, w1)   (AVX2) columns 0-7 and 8-15 of k = kk as two __m256
+ *   LOAD_W512(panel, kk, odd, qs)        (AVX-512) the 16 columns of k = kk as one __m512
+ *   W_AT(panel, kk, j, qs)          (portable) column j of k = kk as a float
  *   SUFFIX       a token that keeps each instance's static helpers apart
+ *
+ * Panels sit in groups (panel_line0, panel_qs in linear.c): a panel's consecutive lines are
+ * qs elements apart, the group's panels one line apart (one panel per group: qs is a line).
  *
  * and undefines them afterwards. What the kernel does and why is in linear.c.
  */
@@ -17,6 +22,8 @@
 #define MICROS_TABLE CAT(micros, SUFFIX)
 #define WIDE_FN(R) CAT(CAT(wide, R), SUFFIX)
 #define WIDES_TABLE CAT(wides, SUFFIX)
+#define GEMM_GROUPED CAT(gemm_grouped, SUFFIX)
+#define LINE_ELEMS (64 / (int64_t)sizeof(W_T))
 
 #if defined(CONVEYOR_GEMM512)
 
@@ -24,13 +31,13 @@
  * the bias (or 0) instead of o. x is packed (pack_rows: row r of k at x[k * MR + r]). One
  * zmm accumulator per row; R is a constant in each instance, so the loops over rows unroll
  * and the accumulators stay in registers. The wide instances (P = WIDE panels, for a few
- * rows) take P panels side by side, pstride apart, the last with `cols` columns: more
+ * rows) take P panels of one group, pstride apart, the last with `cols` columns: more
  * independent accumulators, so a row or two do not wait on one FMA's latency per k; each
  * output's sum is the same as in one panel's instance. */
 #define MICRO_P(R, P, NAME)                                                                    \
-    static void NAME(const float *x, int64_t pstride, const W_T *panel, int64_t kb,            \
-                     const float *bias, int first, int prefetch, float *o, int64_t ldo,        \
-                     int cols)                                                                 \
+    static void NAME(const float *x, int64_t pstride, const W_T *panel, int64_t qs,            \
+                     int64_t kb, const float *bias, int first, int prefetch, float *o,         \
+                     int64_t ldo, int cols)                                                    \
     {                                                                                          \
         enum { RR = R, PP = P };                                                               \
         __mmask16 mask[PP];                                                                    \
@@ -53,15 +60,16 @@
                 _mm512_mask_storeu_ps(o + r * ldo + j * NR, mask[j], c[j][r]);                 \
     }
 /* One k of the block (odd: k is the second of its pair, a constant); the prefetch runs
- * PREFETCH_BYTES ahead in each panel, once per 64-byte line. */
+ * PREFETCH_LINES of its own lines ahead in each panel, once per 64-byte line. */
 #define K_STEP512(k_, odd)                                                                     \
     {                                                                                          \
         const int64_t kx = (k_);                                                               \
         _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                                 \
             const W_T *pj = panel + j * pstride;                                               \
             if (prefetch && (!(odd) || PREFETCH_ODD))                                          \
-                _mm_prefetch((const char *)(pj + kx * NR) + PREFETCH_BYTES, _MM_HINT_T0);      \
-            const __m512 w = LOAD_W512(pj, kx, odd);                                           \
+                _mm_prefetch((const char *)LINE_AT(pj, kx + PREFETCH_LINES * K_PER_LINE, qs),  \
+                             _MM_HINT_T0);                                                     \
+            const __m512 w = LOAD_W512(pj, kx, odd, qs);                                       \
             _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                    \
                 _mm512_fmadd_ps(_mm512_set1_ps(x[kx * MR + r]), w, c[j][r]);                   \
         }                                                                                      \
@@ -76,9 +84,9 @@ WIDES_ALL
 /* o[0..R) x [0..cols) (+)= x[0..R) x [0..kb) . panel[0..kb) x [0..16); first: start from
  * the bias (or 0) instead of o. */
 #define MICRO(R)                                                                               \
-    static void MICRO_FN(R)(const float *x, int64_t ldx, const W_T *panel, int64_t kb,         \
-                            const float *bias, int first, int prefetch, float *o, int64_t ldo, \
-                            int cols)                                                          \
+    static void MICRO_FN(R)(const float *x, int64_t ldx, const W_T *panel, int64_t qs,         \
+                            int64_t kb, const float *bias, int first, int prefetch, float *o,  \
+                            int64_t ldo, int cols)                                             \
     {                                                                                          \
         enum { RR = R };                                                                       \
         __m256 b0 = _mm256_setzero_ps(), b1 = b0;                                              \
@@ -97,9 +105,10 @@ WIDES_ALL
 #define K_STEP(k_, odd)                                                                        \
     {                                                                                          \
         const int64_t kx = (k_);                                                               \
-        if (prefetch) _mm_prefetch((const char *)(panel + (kx + PREFETCH_K) * NR), _MM_HINT_T0); \
+        if (prefetch && (!(odd) || PREFETCH_ODD))                                              \
+            _mm_prefetch((const char *)LINE_AT(panel, kx + PREFETCH_K, qs), _MM_HINT_T0);      \
         __m256 w0, w1;                                                                         \
-        LOAD_W(panel, kx, odd, w0, w1);                                                        \
+        LOAD_W(panel, kx, odd, qs, w0, w1);                                                    \
         ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)                      \
     }
 MICROS_ALL
@@ -108,22 +117,25 @@ MICROS_ALL
 
 #if defined(CONVEYOR_AVX2)
 
-static void (*const MICROS_TABLE[MR + 1])(const float *, int64_t, const W_T *, int64_t,
+static void (*const MICROS_TABLE[MR + 1])(const float *, int64_t, const W_T *, int64_t, int64_t,
                                           const float *, int, int, float *, int64_t, int) = {
     MICROS_LIST};
 #if defined(CONVEYOR_GEMM512)
 static void (*const WIDES_TABLE[WIDE_R + 1])(const float *, int64_t, const W_T *, int64_t,
-                                             const float *, int, int, float *, int64_t, int) = {
+                                             int64_t, const float *, int, int, float *, int64_t,
+                                             int) = {
     WIDES_LIST};
 #undef WIDE
 #endif
 #undef MICRO
 
-/* out[m, n] = x[m, k] . W^T + bias (bias may be NULL). */
-void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,
-             const float *bias, float *out, int64_t ldo, int num_threads)
+/* out[m, n] = x[m, k] . W^T + bias (bias may be NULL), the panels in groups of `group`
+ * (PANEL_GROUP, or 1). */
+static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n,
+                         int64_t k, const float *bias, float *out, int64_t ldo, int num_threads,
+                         int group)
 {
-    const int64_t panels = (n + NR - 1) / NR, kstep = KSTEP(k);
+    const int64_t panels = (n + NR - 1) / NR, lines = KSTEP(k) / K_PER_LINE;
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
 #if defined(CONVEYOR_GEMM512)
     /* x's block of rows packed once for every panel (NULL: packed per micro-kernel call) */
@@ -147,16 +159,18 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
                     for (int64_t p = p0; p < p0 + np; p += (np == WIDE_P ? WIDE_P : 1)) {
                         const int64_t last = np == WIDE_P ? p + WIDE_P - 1 : p;
                         const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
-                        const W_T *panel = packed + (p * kstep + k0) * NR;
+                        const int64_t qs = panel_qs(p, panels, group) * LINE_ELEMS;
+                        const W_T *panel =
+                            LINE_AT(packed + panel_line0(p, lines, group) * LINE_ELEMS, k0, qs);
                         const float *pbias = bias ? bias + p * NR : 0;
                         float *o = out + m0 * ldo + p * NR;
-                        if (np == WIDE_P)
+                        if (np == WIDE_P) /* one group (WIDE_P is PANEL_GROUP), or 1-panel ones */
                             for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
                                 WIDES_TABLE[mb - r < WIDE_R ? mb - r : WIDE_R](
-                                    xb + k0 * MR + r, kstep * NR, panel, kb, pbias, k0 == 0,
-                                    r == 0, o + r * ldo, ldo, cols);
+                                    xb + k0 * MR + r, (group == 1 ? lines : 1) * LINE_ELEMS,
+                                    panel, qs, kb, pbias, k0 == 0, r == 0, o + r * ldo, ldo, cols);
                         else
-                            MICROS_TABLE[mb](xb + k0 * MR, 0, panel, kb, pbias, k0 == 0, 1, o,
+                            MICROS_TABLE[mb](xb + k0 * MR, 0, panel, qs, kb, pbias, k0 == 0, 1, o,
                                              ldo, cols);
                     }
                 }
@@ -169,10 +183,12 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
             const float *pbias = bias ? bias + p * NR : 0;
             float *o = out + m0 * ldo + p * NR;
+            const int64_t qs = panel_qs(p, panels, group) * LINE_ELEMS;
+            const W_T *first_line = packed + panel_line0(p, lines, group) * LINE_ELEMS;
             for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += KC) { /* K = 0: the bias */
                 const int64_t kb = k - k0 < KC ? k - k0 : KC;
                 /* k0 is a multiple of KC, so even: a whole pair in bf16's layout */
-                const W_T *panel = packed + (p * kstep + k0) * NR;
+                const W_T *panel = LINE_AT(first_line, k0, qs);
                 for (int64_t r = 0; r < mb; r += MR) {
                     const int rows = (int)(mb - r < MR ? mb - r : MR);
 #if defined(CONVEYOR_GEMM512)
@@ -182,11 +198,11 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
                         pack_rows(x + (m0 + r) * ldx + k0, ldx, rows, kb, xs);
                         xr = xs;
                     }
-                    MICROS_TABLE[rows](xr, MR, panel, kb, pbias, k0 == 0, r == 0, o + r * ldo,
-                                       ldo, cols);
+                    MICROS_TABLE[rows](xr, MR, panel, qs, kb, pbias, k0 == 0, r == 0,
+                                       o + r * ldo, ldo, cols);
 #else
-                    MICROS_TABLE[rows](x + (m0 + r) * ldx + k0, ldx, panel, kb, pbias, k0 == 0,
-                                       r == 0, o + r * ldo, ldo, cols);
+                    MICROS_TABLE[rows](x + (m0 + r) * ldx + k0, ldx, panel, qs, kb, pbias,
+                                       k0 == 0, r == 0, o + r * ldo, ldo, cols);
 #endif
                 }
             }
@@ -200,15 +216,17 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
  * same panels and the same sum per output (bias first, then k in order), PR rows at a time so
  * each weight load serves PR rows; the compiler vectorises the 16 columns with what the target
  * has (SSE2, NEON). */
-void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,
-             const float *bias, float *out, int64_t ldo, int num_threads)
+static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n,
+                         int64_t k, const float *bias, float *out, int64_t ldo, int num_threads,
+                         int group)
 {
-    const int64_t panels = (n + NR - 1) / NR, kstep = KSTEP(k);
+    const int64_t panels = (n + NR - 1) / NR, lines = KSTEP(k) / K_PER_LINE;
     const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t p = 0; p < panels; p++) {
         const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-        const W_T *panel = packed + p * kstep * NR;
+        const int64_t qs = panel_qs(p, panels, group) * LINE_ELEMS;
+        const W_T *panel = packed + panel_line0(p, lines, group) * LINE_ELEMS;
         for (int64_t r0 = 0; r0 < m; r0 += PR) {
             const int rows = (int)(m - r0 < PR ? m - r0 : PR);
             float acc[PR][NR];
@@ -217,7 +235,7 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
                     acc[r][j] = bias && j < cols ? bias[p * NR + j] : 0.f;
             for (int64_t kk = 0; kk < k; kk++) {
                 float w[NR];
-                for (int j = 0; j < NR; j++) w[j] = W_AT(panel, kk, j);
+                for (int j = 0; j < NR; j++) w[j] = W_AT(panel, kk, j, qs);
                 for (int r = 0; r < rows; r++) {
                     const float a = x[(r0 + r) * ldx + kk];
                     for (int j = 0; j < NR; j++)
@@ -232,8 +250,17 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
 
 #endif
 
+/* The entry point: CpuLinear's panels, in groups of PANEL_GROUP. */
+void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,
+             const float *bias, float *out, int64_t ldo, int num_threads)
+{
+    GEMM_GROUPED(x, ldx, m, packed, n, k, bias, out, ldo, num_threads, PANEL_GROUP);
+}
+
 #undef K_STEP
 #undef K_STEP512
+#undef LINE_ELEMS
+#undef GEMM_GROUPED
 #undef MICRO_FN
 #undef MICROS_TABLE
 #undef WIDE_FN

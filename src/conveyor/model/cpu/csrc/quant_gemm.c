@@ -6,10 +6,11 @@
  * weight); from 256 rows the bf16 GEMM does the same products 1.2-1.7x faster (by type) even
  * with the dequantization, which costs per weight, not per row
  * (docs/kernels.md#measured-choices). A group of sixteen interleaved rows is exactly one panel
- * of sixteen output columns ([ceil(K / 2)][16][2] bf16, k in pairs, as CpuLinear packs), so a
- * slice of groups becomes a slice of panels: up to slice_bytes of them at once (at least one),
- * in a buffer the calling thread keeps, then one conveyor_linear_bf16 call writes their
- * columns of out (x is rounded to bf16 once per call: the slices are large).
+ * of sixteen output columns ([ceil(K / 2)][16][2] bf16, k in pairs, as CpuLinear packs them
+ * before it groups them), so a slice of groups becomes a slice of panels: up to slice_bytes of
+ * them at once (at least one), in a buffer the calling thread keeps, then one
+ * conveyor_linear_bf16_grouped call (panels one to a group) writes their columns of out (x is
+ * rounded to bf16 once per call: the slices are large).
  *
  * Numerics: the weights as dequantized in float32 (quant_*_group_panel, the values of
  * quant_*_row_dequantize), rounded to bf16 (nearest even); x rounded to bf16 by the GEMM,
@@ -22,9 +23,9 @@
 
 #ifdef CONVEYOR_QUANT_PANELS
 
-void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
-                          int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
-                          int num_threads);
+void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
+                                  int64_t n, int64_t k, const float *bias, float *out,
+                                  int64_t ldo, int num_threads, int group);
 
 static _Thread_local uint16_t *slice_buf;
 static _Thread_local size_t slice_cap;
@@ -59,8 +60,8 @@ int conveyor_quant_gemm_bf16(int qtype, const uint8_t *w, int64_t ldw, int64_t n
             else
                 quant_x8_group_panel(qtype, w + (g0 + g) * ldw, k, buf + g * panel);
         const int64_t j0 = g0 * QG, cols = n - j0 < count * QG ? n - j0 : count * QG;
-        conveyor_linear_bf16(x, ldx, m, buf, cols, k, bias ? bias + j0 : 0, out + j0, ldo,
-                             num_threads);
+        conveyor_linear_bf16_grouped(x, ldx, m, buf, cols, k, bias ? bias + j0 : 0, out + j0,
+                                     ldo, num_threads, 1);
     }
     return 0;
 }
