@@ -343,15 +343,12 @@ def test_panels_are_stored_four_to_a_group_line_by_line(kernels, weight_dtype):
             assert not line[len(cols) :].any()  # the partial panel's zero columns
 
 
-@pytest.mark.skipif(
-    cpu_kernels.load() is None or cpu_kernels.load().linear_isa != "avx512-bf16",
-    reason="the vdpbf16ps GEMM's group argument (GGUF prefill's panels one to a group)",
-)
 @pytest.mark.parametrize("rows", [1, 5, 70, 300])
 def test_the_bf16_gemm_gives_the_same_bits_on_panels_one_to_a_group(kernels, rows):
-    """quant_gemm.c hands the GEMM panels one to a group: on them the same weights give the
-    same outputs, bit for bit, as CpuLinear's groups of four, on every path (decode groups,
-    single panels, prefill tiles)."""
+    """quant_gemm.c hands the vdpbf16ps GEMM panels one to a group (GGUF prefill's dequantized
+    slices): on them the same weights give the same outputs, bit for bit, as CpuLinear's
+    groups of four, on every path (decode groups, single panels, prefill tiles); builds
+    without it take the group argument through the widening GEMM."""
     import ctypes
 
     torch.manual_seed(rows)
