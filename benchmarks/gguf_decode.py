@@ -9,14 +9,21 @@ arithmetic, 2: the default), after a warm-up, each repeat times a 1-token and an
     cpu_ms         the process's CPU time a token, all threads (min over repeats): on a shared
                    machine wall time includes time the kernels waited for a core, CPU time
                    does not (with one thread it is the kernels' own cost)
-    linears_ms     every QuantLinear of the model once on a random row, back to back (the
-                   decode step's linears and the head; min over 3 x repeats), wall and CPU
+    linears_ms     every QuantLinear (GGUF) or CpuLinear (a checkpoint on our GEMM) of the
+                   model once on a random row, back to back from Python (the decode step's
+                   linears and the head, each call's Python included; min over 3 x repeats),
+                   wall and CPU; `linears` counts them
     floor_ms       the memory floor of a token: the bytes a decode step reads (every weight
                    in memory, as loaded, but the embedding table, of which it reads one row,
                    unless the head shares it) / the read bandwidth (a 512 MiB tensor's sum on
                    torch's threads, on 2 MiB pages as the weights are, best of the samples
                    taken right after each repeat)
     tpot_to_floor  tpot_ms / floor_ms (issue 28's single-stream target: at most 1.2 in bf16)
+    tpot_to_floor_paired  each repeat's TPOT over the floor at the mean of the bandwidth
+                   sampled just before and just after it, the median over repeats: on a
+                   machine whose read bandwidth moves within a run (this VM's swings between
+                   about 50 and 85 GB/s), the best TPOT and the best bandwidth can come from
+                   different moments, and this pairs each TPOT with its own
 
 Threads: torch's (set OMP_NUM_THREADS, or --threads).
 
@@ -56,6 +63,7 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.bench.sibling import load_sibling
+from conveyor.model.cpu.linear import CpuLinear
 from conveyor.model.cpu.quant_linear import QuantLinear
 from conveyor.model.loading.loader import storage_bytes
 
@@ -91,14 +99,14 @@ def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, 
         llm.generate(PROMPT, params, use_tqdm=False)
 
     gen(4)  # warm-up: the kernels' build, the first step's allocations
-    tpot, cpu, gbps = [], [], []
+    tpot, cpu, gbps = [], [], [bandwidth()]
     for _ in range(repeats):
         one, many = _timed(lambda: gen(1)), _timed(lambda: gen(tokens + 1))
         tpot.append((many[0] - one[0]) / tokens)
         cpu.append((many[1] - one[1]) / tokens)
         gbps.append(bandwidth())
     runner_model = llm.llm_engine.runner.model
-    linears = [m for m in runner_model.modules() if isinstance(m, QuantLinear)]
+    linears = [m for m in runner_model.modules() if isinstance(m, QuantLinear | CpuLinear)]
     xs = [torch.randn(1, m.in_features) for m in linears]
 
     def run_linears() -> None:
@@ -109,6 +117,7 @@ def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, 
     read = bytes_per_token(runner_model)
     llm.shutdown()
     floor_ms = 1e3 * read / (max(gbps) * 1e9)
+    paired = [t * (gbps[i] + gbps[i + 1]) / 2 * 1e9 / read for i, t in enumerate(tpot)]
     result = {
         "passes": passes,
         "tpot_ms": round(1e3 * min(tpot), 3),
@@ -117,7 +126,9 @@ def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, 
         "read_gbps": round(max(gbps), 1),
         "floor_ms": round(floor_ms, 3),
         "tpot_to_floor": round(1e3 * min(tpot) / floor_ms, 3),
-        "quant_linears": len(linears),
+        "tpot_to_floor_paired": round(statistics.median(paired), 3),
+        "linears": len(linears),
+        "quant_linears": sum(isinstance(m, QuantLinear) for m in linears),
     }
     if linears:
         result["linears_ms"] = round(1e3 * min(t for t, _ in lin), 3)
