@@ -137,17 +137,18 @@ def test_the_bf16_gemm_rounds_x_to_nearest_even_with_vdpbf16ps_only(kernels):
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [24, 25])  # 25: bf16's padded last pair
-def test_a_packed_head_gives_back_the_embedding_rows(kernels, weight_dtype, k):
+@pytest.mark.parametrize("n", [37, 128])  # a partial last panel and group; whole groups
+def test_a_packed_head_gives_back_the_embedding_rows(kernels, weight_dtype, k, n):
     torch.manual_seed(0)
-    weight = torch.randn(37, k)  # a partial last panel
+    weight = torch.randn(n, k)
     head = CpuLinear(weight, None, kernels, weight_dtype)
     embed = HeadEmbedding(head)
-    ids = torch.tensor([[0, 36, 8], [15, 16, 7]])
+    ids = torch.tensor([[0, 36, 8], [15, 16, 7], [n - 1, 1, n - 17]])
     rows = embed(ids)
-    assert rows.dtype == torch.float32 and rows.shape == (2, 3, k)
+    assert rows.dtype == torch.float32 and rows.shape == (3, 3, k)
     assert torch.equal(rows, weight.to(weight_dtype).float()[ids])
-    for bad in (37, -1):
-        with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 37\)"):
+    for bad in (n, -1):
+        with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {n}\)"):
             embed(torch.tensor([3, bad]))
 
 

@@ -191,14 +191,17 @@ class CpuLinear(nn.Module):
         """Rows `ids` of W as float32 [len(ids), K]: an embedding lookup in the head's
         weights, for a model whose head is its embedding matrix (tied)."""
         packed = self.packed_weight
-        panels = -(-self.out_features // cpu_kernels.LINEAR_PANEL)
+        panel, group = cpu_kernels.LINEAR_PANEL, cpu_kernels.LINEAR_PANEL_GROUP
+        panels = -(-self.out_features // panel)
         lines = packed.shape[0] // panels
-        at = panel_lines(ids, panels, lines)
-        col = (ids % cpu_kernels.LINEAR_PANEL)[:, None]
-        if packed.dtype == torch.float32:
-            return packed[at, col]
-        # bf16 pairs: [len(ids), K / 2, 2] -> [len(ids), K] (less an odd K's padding)
-        rows = packed[at, col, :]
+        p, col = ids // panel, ids % panel
+        if panels % group == 0:  # whole groups (the usual vocabulary): one view, one index
+            grouped = packed.view(panels // group, lines, group, *packed.shape[1:])
+            rows = grouped[p // group, :, p % group, col]
+        else:
+            rows = packed[panel_lines(ids, panels, lines), col[:, None]]
+        # float32: [len(ids), K]; bf16 pairs: [len(ids), K / 2, 2] -> [len(ids), K] (less an
+        # odd K's padding)
         return rows.reshape(len(ids), -1)[:, : self.in_features].float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
