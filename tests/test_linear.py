@@ -367,3 +367,27 @@ def test_the_bf16_gemm_gives_the_same_bits_on_panels_one_to_a_group(kernels, row
     )  # fmt: skip
     with torch.inference_mode():
         assert torch.equal(out, lin(x))
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [16 * 4 * 9, 16 * 4 * 9 + 16 * 3 - 5])  # odd groups; a tail
+def test_a_decode_step_gives_the_same_bits_on_one_thread_or_several(kernels, weight_dtype, n):
+    """A few rows split the panels between the threads by halves of groups (an odd number of
+    groups does not leave one thread a group more): whichever thread reads a panel, and
+    whether as a whole group, a half or the tail, each output is the same sum."""
+    torch.manual_seed(n)
+    k = 200
+    lin = CpuLinear(torch.randn(n, k) / k**0.5, torch.randn(n), kernels, weight_dtype)
+    x = torch.randn(16, k)
+    saved = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                got[threads] = [lin(x[:rows]) for rows in (1, 3, 4, 5, 16)]
+    finally:
+        torch.set_num_threads(saved)
+    for threads in (2, 3):
+        for a, b in zip(got[1], got[threads], strict=True):
+            assert torch.equal(a, b), threads

@@ -37,6 +37,7 @@
  * reads a group of four panels as one stream.
  * benchmarks/linear_bf16.py measures each path against oneDNN and torch (docs/benchmarks.md).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,7 +93,8 @@ static inline int64_t panel_qs(int64_t p, int64_t panels, int group)
         MICRO_FN(13), MICRO_FN(14), MICRO_FN(15), MICRO_FN(16)
 /* A few rows (at most WIDE_R): WIDE_P panels per micro-kernel call. */
 #define WIDE_R 4
-#define WIDE_P 4
+#define WIDE_P 4 /* PANEL_GROUP: a decode step takes a group at a time */
+#define HALF_P 2 /* or half of one (linear.c's few_rows_dp) */
 /* 5-16 rows (a decode step of that many sequences) take the same kernels four rows at a time
  * over each block of four panels, the later rows re-reading the panels' block from L1: one
  * panel at a time left a step of 8 rows 1.4x as long as one of 4 (eight dependency chains
@@ -356,6 +358,10 @@ MICRO_DP(4, WIDE_P, wide4_dp)
 MICRO_DP(3, WIDE_P, wide3_dp)
 MICRO_DP(2, WIDE_P, wide2_dp)
 MICRO_DP(1, WIDE_P, wide1_dp)
+MICRO_DP(4, HALF_P, half4_dp)
+MICRO_DP(3, HALF_P, half3_dp)
+MICRO_DP(2, HALF_P, half2_dp)
+MICRO_DP(1, HALF_P, half1_dp)
 #undef MICRO_DP
 
 /* Long x (prefill): TR rows x TP panels of accumulators (24 zmm), each k pair's TP weight
@@ -402,6 +408,36 @@ static const micro_dp_fn micros_dp[MR + 1] = {
     micro6_dp,  micro7_dp,  micro8_dp,  micro9_dp,  micro10_dp, micro11_dp,
     micro12_dp, micro13_dp, micro14_dp, micro15_dp, micro16_dp};
 static const micro_dp_fn wides_dp[WIDE_R + 1] = {0, wide1_dp, wide2_dp, wide3_dp, wide4_dp};
+static const micro_dp_fn halves_dp[WIDE_R + 1] = {0, half1_dp, half2_dp, half3_dp, half4_dp};
+
+/* Rows [0, mb) (at most WIDE2_R, packed in xp) times panels p .. p + np of CpuLinear's
+ * groups: a whole group (np WIDE_P), half of one (HALF_P), or the panels after the last whole
+ * group (tail: one at a time). Each output's sum is the same whichever. */
+static void few_rows_dp(const uint32_t *xp, int64_t kp, int64_t qc, int64_t mb, int64_t p,
+                        int64_t np, int tail, const uint16_t *packed, int64_t panels, int64_t n,
+                        const float *bias, float *out, int64_t ldo)
+{
+    for (int64_t q0 = 0; q0 == 0 || q0 < kp; q0 += qc) { /* K = 0: the bias */
+        const int64_t qb = kp - q0 < qc ? kp - q0 : qc;
+        for (int64_t j = p; j < p + np; j += tail ? 1 : np) {
+            const int64_t last = tail ? j : j + np - 1;
+            const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
+            const int64_t qs = panel_qs(j, panels, PANEL_GROUP) * 2 * NR;
+            const uint16_t *panel = packed + panel_line0(j, kp, PANEL_GROUP) * 2 * NR + q0 * qs;
+            const float *pb = bias ? bias + j * NR : 0;
+            if (tail) {
+                micros_dp[mb](xp + q0 * MR, 0, panel, qs, qb, pb, q0 == 0, 1, out + j * NR, ldo,
+                              cols);
+                continue;
+            }
+            const micro_dp_fn *fns = np == WIDE_P ? wides_dp : halves_dp;
+            for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
+                fns[mb - r < WIDE_R ? mb - r : WIDE_R](xp + q0 * MR + r, 2 * NR, panel, qs, qb,
+                                                        pb, q0 == 0, r == 0,
+                                                        out + r * ldo + j * NR, ldo, cols);
+        }
+    }
+}
 
 /* out = x . W^T + bias on bf16 panels in groups of `group` (PANEL_GROUP: CpuLinear's; 1:
  * quant_gemm.c's slices). */
@@ -427,6 +463,29 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
             if (parallel && mb * k >= PACK_PARALLEL_MIN)
         for (int64_t r = 0; r < mb; r++)
             pack_pairs_row(x + (m0 + r) * ldx, k, xp + (r / MR) * MR * kp + r % MR);
+        if (mb <= WIDE2_R && group == WIDE_P) {
+            /* A few rows on CpuLinear's groups: each thread takes an equal share of the
+             * groups' halves (the panels left over after the last whole group count as one
+             * more), a whole group of WIDE_P panels at a time where it holds both halves, so
+             * an odd number of groups does not leave one thread a group more to read. */
+            const int64_t whole = panels / WIDE_P, halves = 2 * whole;
+            const int64_t items = halves + (panels > whole * WIDE_P);
+            #pragma omp parallel num_threads(num_threads) if (parallel)
+            {
+                const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+                const int64_t end = items * (t + 1) / threads;
+                for (int64_t u = items * t / threads; u < end;) {
+                    const int64_t p = u < halves ? u * HALF_P : halves * HALF_P;
+                    const int64_t np = u >= halves                      ? panels - p
+                                       : u % 2 == 0 && u + 1 < end ? WIDE_P
+                                                                        : HALF_P;
+                    few_rows_dp(xp, kp, qc, mb, p, np, u >= halves, packed, panels, n, bias,
+                                out + m0 * ldo, ldo);
+                    u += u >= halves ? 1 : np / HALF_P;
+                }
+            }
+            continue;
+        }
         if (mb <= WIDE2_R) { /* a few rows: WIDE_P panels at a time, WIDE_R rows at a time */
             const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
             #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
