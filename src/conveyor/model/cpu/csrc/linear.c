@@ -295,22 +295,24 @@ static void round_pairs(const float *x, int64_t k, uint32_t *out)
 }
 
 /* Row x [k] rounded to pairs and spread as the micro-kernels read it: pair q at
- * blk[q MR]. */
-static void pack_pairs_row(const float *x, int64_t k, uint32_t *blk)
+ * blk[q xs]. */
+static void pack_pairs_row(const float *x, int64_t k, uint32_t *blk, int64_t xs)
 {
     uint32_t words[16];
     for (int64_t i = 0; i < k; i += 32) {
         const int64_t len = k - i < 32 ? k - i : 32;
         round_pairs(x + i, len, words);
-        for (int64_t q = 0; q < (len + 1) / 2; q++) blk[(i / 2 + q) * MR] = words[q];
+        for (int64_t q = 0; q < (len + 1) / 2; q++) blk[(i / 2 + q) * xs] = words[q];
     }
 }
 
-/* As MICRO_P in linear_gemm.h, on pairs: xp packed as pack_rows packs floats (row r's pair q
- * at xp[q MR + r]), the panel's pair q of its 16 columns one 64-byte line, qs uint16 after
- * pair q - 1's. */
+/* As MICRO_P in linear_gemm.h, on pairs: row r's pair q at xp[q xs + r] (xs MR, as pack_rows
+ * packs floats, or for a few rows their count, so that one row's pairs are not a cache line
+ * each), the panel's pair q of its 16 columns one 64-byte line, qs uint16 after pair
+ * q - 1's. */
 #define MICRO_DP(R, P, NAME)                                                                   \
-    static void NAME(const uint32_t *xp, int64_t pstride, const uint16_t *panel, int64_t qs,  \
+    static void NAME(const uint32_t *xp, int64_t xs, int64_t pstride, const uint16_t *panel,  \
+                     int64_t qs,                                                               \
                      int64_t pairs, const float *bias, int first, int prefetch, float *o,      \
                      int64_t ldo, int cols)                                                    \
     {                                                                                          \
@@ -330,7 +332,7 @@ static void pack_pairs_row(const float *x, int64_t k, uint32_t *blk)
                 if (prefetch) _mm_prefetch((const char *)(pj + PREFETCH_LINES * qs), _MM_HINT_T0); \
                 const __m512bh w = (__m512bh)_mm512_loadu_si512(pj);                           \
                 _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                \
-                    _mm512_dpbf16_ps(c[j][r], (__m512bh)_mm512_set1_epi32((int)xp[q * MR + r]), \
+                    _mm512_dpbf16_ps(c[j][r], (__m512bh)_mm512_set1_epi32((int)xp[q * xs + r]), \
                                      w);                                                       \
             }                                                                                  \
         }                                                                                      \
@@ -401,8 +403,8 @@ static void tile_dp(const uint32_t *xp, const uint16_t *const panel[TP], const i
             _mm512_storeu_ps(o + r * ldo + j * NR, c[r][j]);
 }
 
-typedef void (*micro_dp_fn)(const uint32_t *, int64_t, const uint16_t *, int64_t, int64_t,
-                            const float *, int, int, float *, int64_t, int);
+typedef void (*micro_dp_fn)(const uint32_t *, int64_t, int64_t, const uint16_t *, int64_t,
+                            int64_t, const float *, int, int, float *, int64_t, int);
 static const micro_dp_fn micros_dp[MR + 1] = {
     0,          micro1_dp,  micro2_dp,  micro3_dp,  micro4_dp,  micro5_dp,
     micro6_dp,  micro7_dp,  micro8_dp,  micro9_dp,  micro10_dp, micro11_dp,
@@ -413,7 +415,8 @@ static const micro_dp_fn halves_dp[WIDE_R + 1] = {0, half1_dp, half2_dp, half3_d
 /* Rows [0, mb) (at most WIDE2_R, packed in xp) times panels p .. p + np of CpuLinear's
  * groups: a whole group (np WIDE_P), half of one (HALF_P), or the panels after the last whole
  * group (tail: one at a time). Each output's sum is the same whichever. */
-static void few_rows_dp(const uint32_t *xp, int64_t kp, int64_t qc, int64_t mb, int64_t p,
+static void few_rows_dp(const uint32_t *xp, int64_t xs, int64_t kp, int64_t qc, int64_t mb,
+                        int64_t p,
                         int64_t np, int tail, const uint16_t *packed, int64_t panels, int64_t n,
                         const float *bias, float *out, int64_t ldo)
 {
@@ -426,13 +429,13 @@ static void few_rows_dp(const uint32_t *xp, int64_t kp, int64_t qc, int64_t mb, 
             const uint16_t *panel = packed + panel_line0(j, kp, PANEL_GROUP) * 2 * NR + q0 * qs;
             const float *pb = bias ? bias + j * NR : 0;
             if (tail) {
-                micros_dp[mb](xp + q0 * MR, 0, panel, qs, qb, pb, q0 == 0, 1, out + j * NR, ldo,
-                              cols);
+                micros_dp[mb](xp + q0 * xs, xs, 0, panel, qs, qb, pb, q0 == 0, 1, out + j * NR,
+                              ldo, cols);
                 continue;
             }
             const micro_dp_fn *fns = np == WIDE_P ? wides_dp : halves_dp;
             for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
-                fns[mb - r < WIDE_R ? mb - r : WIDE_R](xp + q0 * MR + r, 2 * NR, panel, qs, qb,
+                fns[mb - r < WIDE_R ? mb - r : WIDE_R](xp + q0 * xs + r, xs, 2 * NR, panel, qs, qb,
                                                         pb, q0 == 0, r == 0,
                                                         out + r * ldo + j * NR, ldo, cols);
         }
@@ -459,10 +462,13 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
 #define QS(p) (panel_qs(p, panels, group) * 2 * NR)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mb = m - m0 < MC ? m - m0 : MC;
+        /* x's pairs: a few rows side by side (pair q of row r at xp[q mb + r], so one row's
+         * pairs share cache lines, which the other threads read), more in blocks of MR */
+        const int64_t xs = mb <= WIDE2_R ? mb : MR;
         #pragma omp parallel for num_threads(num_threads) schedule(static) \
             if (parallel && mb * k >= PACK_PARALLEL_MIN)
         for (int64_t r = 0; r < mb; r++)
-            pack_pairs_row(x + (m0 + r) * ldx, k, xp + (r / MR) * MR * kp + r % MR);
+            pack_pairs_row(x + (m0 + r) * ldx, k, xp + (r / xs) * xs * kp + r % xs, xs);
         if (mb <= WIDE2_R && group == WIDE_P) {
             /* A few rows on CpuLinear's groups: each thread takes an equal share of the
              * groups' halves (the panels left over after the last whole group count as one
@@ -479,7 +485,7 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
                     const int64_t np = u >= halves                      ? panels - p
                                        : u % 2 == 0 && u + 1 < end ? WIDE_P
                                                                         : HALF_P;
-                    few_rows_dp(xp, kp, qc, mb, p, np, u >= halves, packed, panels, n, bias,
+                    few_rows_dp(xp, xs, kp, qc, mb, p, np, u >= halves, packed, panels, n, bias,
                                 out + m0 * ldo, ldo);
                     u += u >= halves ? 1 : np / HALF_P;
                 }
@@ -501,7 +507,7 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
                         const uint16_t *panel = PANEL(p) + q0 * qs;
                         const float *pb = bias ? bias + p * NR : 0;
                         if (np != WIDE_P) { /* the last panels, one at a time */
-                            micros_dp[mb](xp + q0 * MR, 0, panel, qs, qb, pb, q0 == 0, 1,
+                            micros_dp[mb](xp + q0 * xs, xs, 0, panel, qs, qb, pb, q0 == 0, 1,
                                           out + m0 * ldo + p * NR, ldo, cols);
                             continue;
                         }
@@ -509,7 +515,7 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
                         const int64_t pstride = group == 1 ? kp * 2 * NR : 2 * NR;
                         for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
                             wides_dp[mb - r < WIDE_R ? mb - r : WIDE_R](
-                                xp + q0 * MR + r, pstride, panel, qs, qb, pb, q0 == 0, r == 0,
+                                xp + q0 * xs + r, xs, pstride, panel, qs, qb, pb, q0 == 0, r == 0,
                                 out + (m0 + r) * ldo + p * NR, ldo, cols);
                     }
                 }
@@ -535,7 +541,7 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
                             bias ? bias + p * NR : 0, q0 == 0, out + (m0 + r) * ldo + p * NR,
                             ldo, TR);
                 for (int64_t j = 0; r < mb && j < TP; j++)
-                    micros_dp[mb - r](xp + (r / MR) * MR * kp + r % MR + q0 * MR, 0, panel[j],
+                    micros_dp[mb - r](xp + (r / MR) * MR * kp + r % MR + q0 * MR, MR, 0, panel[j],
                                       qs[j], qb, bias ? bias + (p + j) * NR : 0, q0 == 0, 0,
                                       out + (m0 + r) * ldo + (p + j) * NR, ldo, NR);
             }
@@ -551,7 +557,7 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
                 const uint16_t *panel = PANEL(p) + q0 * qs;
                 for (int64_t r = 0; r < mb; r += MR) {
                     const int rows = (int)(mb - r < MR ? mb - r : MR);
-                    micros_dp[rows](xp + r * kp + q0 * MR, 0, panel, qs, qb, pbias, q0 == 0,
+                    micros_dp[rows](xp + r * kp + q0 * MR, MR, 0, panel, qs, qb, pbias, q0 == 0,
                                     r == 0, o + r * ldo, ldo, cols);
                 }
             }
