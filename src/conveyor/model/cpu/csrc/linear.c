@@ -119,16 +119,18 @@ static void *pack_buffer(size_t bytes)
     return pack_buf;
 }
 
-/* Rows [0, mb) of x (k columns) packed by blocks of MR rows (out holds mb rounded up to MR
- * rows), block b at out + b MR k and its row r's column kk at [kk MR + r]: the MR values a micro-kernel broadcasts for one k sit in
- * one cache line, wherever x's rows are (rows a power-of-two stride apart would all fall in
- * one L1 set). */
-static void pack_rows(const float *x, int64_t ldx, int64_t mb, int64_t k, float *out)
+/* Rows [0, mb) of x (k columns) packed by blocks of xs rows (MR, or a few rows' count; out
+ * holds mb rounded up to xs rows), block b at out + b xs k and its row r's column kk at
+ * [kk xs + r]: the values a micro-kernel broadcasts for one k sit in one cache line, wherever
+ * x's rows are (rows a power-of-two stride apart would all fall in one L1 set), and a single
+ * row's k are contiguous, not a line each (which the other threads would pull one by one). */
+static void pack_rows(const float *x, int64_t ldx, int64_t mb, int64_t k, float *out,
+                      int64_t xs)
 {
     for (int64_t r = 0; r < mb; r++) {
-        float *blk = out + (r / MR) * MR * k + r % MR;
+        float *blk = out + (r / xs) * xs * k + r % xs;
         const float *row = x + r * ldx;
-        for (int64_t kk = 0; kk < k; kk++) blk[kk * MR] = row[kk];
+        for (int64_t kk = 0; kk < k; kk++) blk[kk * xs] = row[kk];
     }
 }
 #elif defined(CONVEYOR_AVX2)

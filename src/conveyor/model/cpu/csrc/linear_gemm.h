@@ -28,16 +28,16 @@
 #if defined(CONVEYOR_GEMM512)
 
 /* o[0..R) x [0..cols) (+)= x[0..R) x [0..kb) . panel[0..kb) x [0..16); first: start from
- * the bias (or 0) instead of o. x is packed (pack_rows: row r of k at x[k * MR + r]). One
+ * the bias (or 0) instead of o. x is packed (pack_rows: row r of k at x[k * xs + r]). One
  * zmm accumulator per row; R is a constant in each instance, so the loops over rows unroll
  * and the accumulators stay in registers. The wide instances (P = WIDE panels, for a few
  * rows) take P panels of one group, pstride apart, the last with `cols` columns: more
  * independent accumulators, so a row or two do not wait on one FMA's latency per k; each
  * output's sum is the same as in one panel's instance. */
 #define MICRO_P(R, P, NAME)                                                                    \
-    static void NAME(const float *x, int64_t pstride, const W_T *panel, int64_t qs,            \
-                     int64_t kb, const float *bias, int first, int prefetch, float *o,         \
-                     int64_t ldo, int cols)                                                    \
+    static void NAME(const float *x, int64_t xs, int64_t pstride, const W_T *panel,           \
+                     int64_t qs, int64_t kb, const float *bias, int first, int prefetch,       \
+                     float *o, int64_t ldo, int cols)                                          \
     {                                                                                          \
         enum { RR = R, PP = P };                                                               \
         __mmask16 mask[PP];                                                                    \
@@ -71,7 +71,7 @@
                              _MM_HINT_T0);                                                     \
             const __m512 w = LOAD_W512(pj, kx, odd, qs);                                       \
             _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                    \
-                _mm512_fmadd_ps(_mm512_set1_ps(x[kx * MR + r]), w, c[j][r]);                   \
+                _mm512_fmadd_ps(_mm512_set1_ps(x[kx * xs + r]), w, c[j][r]);                   \
         }                                                                                      \
     }
 #define MICRO(R) MICRO_P(R, 1, MICRO_FN(R))
@@ -117,15 +117,18 @@ MICROS_ALL
 
 #if defined(CONVEYOR_AVX2)
 
+#if defined(CONVEYOR_GEMM512) /* x packed, xs apart */
+static void (*const MICROS_TABLE[MR + 1])(const float *, int64_t, int64_t, const W_T *, int64_t,
+                                          int64_t, const float *, int, int, float *, int64_t,
+                                          int) = {MICROS_LIST};
+static void (*const WIDES_TABLE[WIDE_R + 1])(const float *, int64_t, int64_t, const W_T *,
+                                             int64_t, int64_t, const float *, int, int, float *,
+                                             int64_t, int) = {WIDES_LIST};
+#undef WIDE
+#else /* x's rows ldx apart */
 static void (*const MICROS_TABLE[MR + 1])(const float *, int64_t, const W_T *, int64_t, int64_t,
                                           const float *, int, int, float *, int64_t, int) = {
     MICROS_LIST};
-#if defined(CONVEYOR_GEMM512)
-static void (*const WIDES_TABLE[WIDE_R + 1])(const float *, int64_t, const W_T *, int64_t,
-                                             int64_t, const float *, int, int, float *, int64_t,
-                                             int) = {
-    WIDES_LIST};
-#undef WIDE
 #endif
 #undef MICRO
 
@@ -145,7 +148,9 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mb = m - m0 < MC ? m - m0 : MC;
 #if defined(CONVEYOR_GEMM512)
-        if (xb) pack_rows(x + m0 * ldx, ldx, mb, k, xb);
+        /* a few rows side by side (one row's k contiguous), more in blocks of MR */
+        const int64_t xstride = mb <= WIDE2_R ? mb : MR;
+        if (xb) pack_rows(x + m0 * ldx, ldx, mb, k, xb, xstride);
 #endif
 #if defined(CONVEYOR_GEMM512)
         if (mb <= WIDE2_R && xb) { /* a few rows: WIDE_P panels, WIDE_R rows at a time */
@@ -167,11 +172,12 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                         if (np == WIDE_P) /* one group (WIDE_P is PANEL_GROUP), or 1-panel ones */
                             for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
                                 WIDES_TABLE[mb - r < WIDE_R ? mb - r : WIDE_R](
-                                    xb + k0 * MR + r, (group == 1 ? lines : 1) * LINE_ELEMS,
-                                    panel, qs, kb, pbias, k0 == 0, r == 0, o + r * ldo, ldo, cols);
+                                    xb + k0 * xstride + r, xstride,
+                                    (group == 1 ? lines : 1) * LINE_ELEMS, panel, qs, kb, pbias,
+                                    k0 == 0, r == 0, o + r * ldo, ldo, cols);
                         else
-                            MICROS_TABLE[mb](xb + k0 * MR, 0, panel, qs, kb, pbias, k0 == 0, 1, o,
-                                             ldo, cols);
+                            MICROS_TABLE[mb](xb + k0 * xstride, xstride, 0, panel, qs, kb, pbias,
+                                             k0 == 0, 1, o, ldo, cols);
                     }
                 }
             }
@@ -195,10 +201,10 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                     float xs[xb ? 1 : MR * KC];
                     const float *xr = xb + r * k + k0 * MR;
                     if (!xb) {
-                        pack_rows(x + (m0 + r) * ldx + k0, ldx, rows, kb, xs);
+                        pack_rows(x + (m0 + r) * ldx + k0, ldx, rows, kb, xs, MR);
                         xr = xs;
                     }
-                    MICROS_TABLE[rows](xr, MR, panel, qs, kb, pbias, k0 == 0, r == 0,
+                    MICROS_TABLE[rows](xr, MR, 0, panel, qs, kb, pbias, k0 == 0, r == 0,
                                        o + r * ldo, ldo, cols);
 #else
                     MICROS_TABLE[rows](x + (m0 + r) * ldx + k0, ldx, panel, qs, kb, pbias,
