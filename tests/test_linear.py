@@ -295,11 +295,12 @@ def test_long_batches_give_each_row_what_it_gets_alone(kernels, weight_dtype):
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [5, 8, 9, 12, 16])
+@pytest.mark.parametrize("rows", [2, 3, 5, 8, 9, 12, 16])
 def test_decode_sized_batches_give_each_row_what_it_gets_alone(kernels, weight_dtype, rows):
-    """A decode step of 5-16 rows takes the few-row kernels four rows at a time over groups of
-    four panels (the last panels one at a time): each row's outputs are the ones it gets
-    alone, bit for bit, and the float64 product's up to the operands' rounding."""
+    """A decode step takes the few-row kernels over groups of four panels (the last panels one
+    at a time): AVX-512 up to 16 rows four at a time, AVX2 1-3 rows (float32; bf16 1-2) one at
+    a time, more rows there the 6 x 16 blocks. Each row's outputs are the ones it gets alone,
+    bit for bit, and the float64 product's up to the operands' rounding."""
     torch.manual_seed(rows)
     n, k = 16 * 6 + 3, 520  # a group of four panels, then two full panels and a partial one
     weight, bias = torch.randn(n, k) / k**0.5, torch.randn(n)

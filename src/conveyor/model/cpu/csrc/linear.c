@@ -10,7 +10,8 @@
  *
  *   AVX2 + FMA   a 6 x 16 block of out in twelve ymm registers; for each k the panel's 16
  *                weights are loaded once (two vectors) and one x value per row broadcast: 12
- *                FMAs for 8 loads, the classic shape for 16 vector registers. bf16 weights
+ *                FMAs for 8 loads, the classic shape for 16 vector registers; for 1-3 rows
+ *                (decode) one row by a group's four panels at a time instead. bf16 weights
  *                are widened to float32 in registers (the same float32 products and sums).
  *   AVX-512      16 columns are one zmm: up to 16 rows x 16 columns of accumulators, x's
  *                block of rows packed first (pack_rows) so the values broadcast for one k
@@ -136,7 +137,16 @@ static void pack_rows(const float *x, int64_t ldx, int64_t mb, int64_t k, float 
 #elif defined(CONVEYOR_AVX2)
 #define MR 6
 #define MC 288 /* a multiple of MR: 288 x 256 floats of x, 288 KiB */
-#define PREFETCH_K 32 /* k steps (64 B of float32 each) ahead */
+#define PREFETCH_K 32 /* k steps (64 B of float32 each) ahead (16, 64, 128: level) */
+/* A few rows (a decode step of at most WIDE2_R_F32 / WIDE2_R_BF16 sequences) take a group's
+ * WIDE_P panels together, one row at a time (8 accumulators: 16 ymm registers hold no second
+ * row), the later rows re-reading the group's block from L1/L2: the group streams as one, and
+ * the row's sums are eight independent FMA chains, not two waiting on each other's latency
+ * per k. From one row more (bf16 widens its weights again for every row) the 6 x 16 blocks
+ * are as fast or faster (docs/kernels.md#measured-choices). */
+#define WIDE_P 4 /* PANEL_GROUP */
+#define WIDE2_R_F32 3
+#define WIDE2_R_BF16 2
 #define MICROS_ALL MICRO(6) MICRO(5) MICRO(4) MICRO(3) MICRO(2) MICRO(1)
 #define MICROS_LIST                                                                            \
     0, MICRO_FN(1), MICRO_FN(2), MICRO_FN(3), MICRO_FN(4), MICRO_FN(5), MICRO_FN(6)

@@ -113,6 +113,46 @@ WIDES_ALL
     }
 MICROS_ALL
 
+/* One k of WIDE_FN(1) (odd: k is the second of its pair, a constant). */
+#define WIDE_STEP(k_, odd)                                                                     \
+    {                                                                                          \
+        const int64_t kx = (k_);                                                               \
+        const __m256 a = _mm256_broadcast_ss(x + kx);                                          \
+        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                                 \
+            const W_T *pj = panel + j * pstride;                                               \
+            if (prefetch && (!(odd) || PREFETCH_ODD))                                          \
+                _mm_prefetch((const char *)LINE_AT(pj, kx + PREFETCH_K, qs), _MM_HINT_T0);     \
+            __m256 w0, w1;                                                                     \
+            LOAD_W(pj, kx, odd, qs, w0, w1);                                                   \
+            c[j][0] = _mm256_fmadd_ps(a, w0, c[j][0]);                                         \
+            c[j][1] = _mm256_fmadd_ps(a, w1, c[j][1]);                                         \
+        }                                                                                      \
+    }
+/* One row of x times the WIDE_P panels of one group, pstride apart (the last with `cols`
+ * columns): 2 WIDE_P accumulators. Each output's sum is the same as in MICRO(1). */
+static void WIDE_FN(1)(const float *x, int64_t pstride, const W_T *panel, int64_t qs, int64_t kb,
+                       const float *bias, int first, int prefetch, float *o, int cols)
+{
+    enum { PP = WIDE_P };
+    __m256 c[PP][2];
+    _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {
+        const int cj = j == PP - 1 ? cols : NR;
+        c[j][0] = c[j][1] = _mm256_setzero_ps();
+        if (!first)
+            load_row(o + j * NR, cj, &c[j][0], &c[j][1]);
+        else if (bias)
+            load_row(bias + j * NR, cj, &c[j][0], &c[j][1]);
+    }
+    int64_t kk = 0;
+    for (; kk + 1 < kb; kk += 2) {
+        WIDE_STEP(kk, 0)
+        WIDE_STEP(kk + 1, 1)
+    }
+    if (kk < kb) WIDE_STEP(kk, 0)
+    _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++)
+        store_row(o + j * NR, j == PP - 1 ? cols : NR, c[j][0], c[j][1]);
+}
+
 #endif
 
 #if defined(CONVEYOR_AVX2)
@@ -154,6 +194,10 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
 #endif
 #if defined(CONVEYOR_GEMM512)
         if (mb <= WIDE2_R && xb) { /* a few rows: WIDE_P panels, WIDE_R rows at a time */
+#else
+        /* a few rows: WIDE_P panels, a row at a time */
+        if (mb <= (K_PER_LINE == 1 ? WIDE2_R_F32 : WIDE2_R_BF16)) {
+#endif
             const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
             #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
             for (int64_t g = 0; g < groups; g++) {
@@ -169,21 +213,34 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                             LINE_AT(packed + panel_line0(p, lines, group) * LINE_ELEMS, k0, qs);
                         const float *pbias = bias ? bias + p * NR : 0;
                         float *o = out + m0 * ldo + p * NR;
-                        if (np == WIDE_P) /* one group (WIDE_P is PANEL_GROUP), or 1-panel ones */
+                        /* one group (WIDE_P is PANEL_GROUP), or panels one to a group */
+                        const int64_t pstride = (group == 1 ? lines : 1) * LINE_ELEMS;
+#if defined(CONVEYOR_GEMM512)
+                        if (np == WIDE_P)
                             for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
                                 WIDES_TABLE[mb - r < WIDE_R ? mb - r : WIDE_R](
-                                    xb + k0 * xstride + r, xstride,
-                                    (group == 1 ? lines : 1) * LINE_ELEMS, panel, qs, kb, pbias,
+                                    xb + k0 * xstride + r, xstride, pstride, panel, qs, kb, pbias,
                                     k0 == 0, r == 0, o + r * ldo, ldo, cols);
                         else
                             MICROS_TABLE[mb](xb + k0 * xstride, xstride, 0, panel, qs, kb, pbias,
                                              k0 == 0, 1, o, ldo, cols);
+#else
+                        const float *xr = x + m0 * ldx + k0;
+                        if (np == WIDE_P)
+                            for (int64_t r = 0; r < mb; r++) /* the first one prefetches */
+                                WIDE_FN(1)(xr + r * ldx, pstride, panel, qs, kb, pbias, k0 == 0,
+                                           r == 0, o + r * ldo, cols);
+                        else
+                            for (int64_t r = 0; r < mb; r += MR)
+                                MICROS_TABLE[mb - r < MR ? mb - r : MR](
+                                    xr + r * ldx, ldx, panel, qs, kb, pbias, k0 == 0, r == 0,
+                                    o + r * ldo, ldo, cols);
+#endif
                     }
                 }
             }
             continue;
         }
-#endif
         #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
         for (int64_t p = 0; p < panels; p++) {
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
