@@ -43,6 +43,16 @@ def test_the_build_is_cached_with_its_digest_and_no_temporary_left(cache):
 
 
 @needs_cc
+def test_a_failed_compile_says_the_compilers_words_and_leaves_nothing_behind(cache, monkeypatch):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    monkeypatch.setenv("CC", f"{cc} -include /nonexistent/conveyor_missing.h")
+    with pytest.raises(RuntimeError, match="conveyor_missing.h") as info:
+        cpu_build.build()
+    assert "failed" in str(info.value)
+    assert _built(cache) == []  # no object folder, no half library, no digest
+
+
+@needs_cc
 @pytest.mark.parametrize("damage", ["truncated", "foreign", "no digest"])
 def test_a_cached_library_that_is_not_the_one_built_is_rebuilt_not_loaded(
     cache, damage, monkeypatch
