@@ -147,6 +147,8 @@ def test_a_packed_head_gives_back_the_embedding_rows(kernels, weight_dtype, k, n
     rows = embed(ids)
     assert rows.dtype == torch.float32 and rows.shape == (3, 3, k)
     assert torch.equal(rows, weight.to(weight_dtype).float()[ids])
+    many = torch.randint(0, n, (3000,))  # a prefill's worth: the threads share the rows
+    assert torch.equal(embed(many), weight.to(weight_dtype).float()[many])
     for bad in (n, -1):
         with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {n}\)"):
             embed(torch.tensor([3, bad]))

@@ -72,6 +72,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_linear_bf16_widened": (_LINEAR_ARGS, None),
     "conveyor_linear_f32_vectorized": ([], ctypes.c_int),
     "conveyor_linear_isa": ([], ctypes.c_int),
+    "conveyor_linear_rows": ([_P, _I32, _I64, _I64, _P, _I64, _P, _I64, _I32], ctypes.c_int),
     # GGUF blocks (conveyor.model.cpu.quant_linear wraps them)
     "conveyor_quantize_q8a_f32": (_QUANTIZE_ARGS, None),
     "conveyor_quant_linear_f32": (_QUANT_LINEAR_ARGS, ctypes.c_int),
@@ -113,6 +114,7 @@ class CpuKernels:
             torch.bfloat16: fns["conveyor_linear_bf16"],
         }
         self._linear_widened = fns["conveyor_linear_bf16_widened"]
+        self._linear_rows = fns["conveyor_linear_rows"]
         # Which GEMM this build has (LINEAR_ISAS): what -march=native (or CONVEYOR_CPU_ISA)
         # let the compiler use.
         self.linear_isa = LINEAR_ISAS[fns["conveyor_linear_isa"]()]
@@ -219,6 +221,27 @@ class CpuKernels:
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def linear_rows(self, packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64, any shape) of the [n, k] weight packed in `packed` (CpuLinear's
+        float32 or bf16 panels) as float32 [*ids.shape, k].
+
+        Raises:
+            ValueError: an id outside [0, n).
+        """
+        if packed.dtype not in (torch.float32, torch.bfloat16) or not packed.is_contiguous():
+            raise ValueError(
+                f"packed panels are contiguous float32 or bfloat16, not {packed.dtype}."
+            )
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), k, dtype=torch.float32)
+        bf16 = int(packed.dtype == torch.bfloat16)
+        threads = torch.get_num_threads()
+        if self._linear_rows(
+            packed.data_ptr(), bf16, n, k, flat.data_ptr(), flat.numel(), out.data_ptr(), k, threads
+        ):
+            raise ValueError(f"a token id is outside the vocabulary [0, {n}).")
+        return out.view(*ids.shape, k)
 
     def linear(
         self,

@@ -131,17 +131,6 @@ def group_panels(panels: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, tail])
 
 
-def panel_lines(ids: torch.Tensor, panels: int, lines: int) -> torch.Tensor:
-    """[len(ids), lines]: the line (group_panels' first index) holding each of output
-    columns `ids`' lines, in order."""
-    group = cpu_kernels.LINEAR_PANEL_GROUP
-    p = ids // cpu_kernels.LINEAR_PANEL
-    first = p // group * group
-    in_group = (panels - first).clamp(max=group)  # the panels of p's group
-    start = first * lines + p % group
-    return start[:, None] + torch.arange(lines)[None, :] * in_group[:, None]
-
-
 class CpuLinear(nn.Module):
     """y = x @ W.T + b through csrc/linear.c, W held in 16-column panels (inference only).
 
@@ -188,21 +177,15 @@ class CpuLinear(nn.Module):
         self.kernels = kernels
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W as float32 [len(ids), K]: an embedding lookup in the head's
-        weights, for a model whose head is its embedding matrix (tied)."""
-        packed = self.packed_weight
-        panel, group = cpu_kernels.LINEAR_PANEL, cpu_kernels.LINEAR_PANEL_GROUP
-        panels = -(-self.out_features // panel)
-        lines = packed.shape[0] // panels
-        p, col = ids // panel, ids % panel
-        if panels % group == 0:  # whole groups (the usual vocabulary): one view, one index
-            grouped = packed.view(panels // group, lines, group, *packed.shape[1:])
-            rows = grouped[p // group, :, p % group, col]
-        else:
-            rows = packed[panel_lines(ids, panels, lines), col[:, None]]
-        # float32: [len(ids), K]; bf16 pairs: [len(ids), K / 2, 2] -> [len(ids), K] (less an
-        # odd K's padding)
-        return rows.reshape(len(ids), -1)[:, : self.in_features].float()
+        """Rows `ids` (int64, any shape) of W as float32 [*ids.shape, K], read from the panels
+        in one C call: an embedding lookup in the head's weights, for a model whose head is its
+        embedding matrix (tied).
+
+        Raises:
+            ValueError: an id outside [0, out_features).
+        """
+        n, k = self.out_features, self.in_features
+        return self.kernels.linear_rows(self.packed_weight, n, k, ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
@@ -227,10 +210,7 @@ class HeadEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.num_embeddings:
-            raise ValueError(f"a token id is outside the vocabulary [0, {self.num_embeddings}).")
-        return self._rows(flat).view(*ids.shape, self.embedding_dim)
+        return self._rows(ids)
 
 
 class Float32Embedding(nn.Embedding):
