@@ -46,7 +46,7 @@ def test_the_build_is_cached_with_its_digest_and_no_temporary_left(cache):
 def test_a_failed_compile_says_the_compilers_words_and_leaves_nothing_behind(cache, monkeypatch):
     cc = shutil.which("cc") or shutil.which("gcc")
     monkeypatch.setenv("CC", f"{cc} -include /nonexistent/conveyor_missing.h")
-    with pytest.raises(RuntimeError, match="conveyor_missing.h") as info:
+    with pytest.raises(RuntimeError, match=r"conveyor_missing\.h") as info:
         cpu_build.build()
     assert "failed" in str(info.value)
     assert _built(cache) == []  # no object folder, no half library, no digest

@@ -345,6 +345,28 @@ def test_argmax_matches_torch_first_maximum_nan_and_layouts(kernels):
         assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
 
 
+def test_nonfinite_rows_finds_nan_and_infinities_anywhere_and_nothing_else(kernels):
+    from conveyor.model.sampling.logits_guard import _torch_nonfinite_rows
+
+    gen = torch.Generator().manual_seed(8)
+    for rows, cols in ((1, 49152), (5, 37), (70, 1000)):  # 70 x 1000: the threads share rows
+        x = torch.randn(rows, cols, generator=gen)
+        assert kernels.nonfinite_rows(x) == []
+        want = []
+        values = (float("nan"), float("inf"), float("-inf")) * 40
+        for r, value in zip(range(0, rows, 2), values, strict=False):
+            x[r, (r * 7919) % cols] = value  # anywhere in the row
+            want.append(r)
+        if rows > 1:
+            x[1, :] = 3e38  # finite, though a sum of the row overflows
+        assert kernels.nonfinite_rows(x) == want == _torch_nonfinite_rows(x), (rows, cols)
+    # What the C loop cannot read goes to torch, with the same answer.
+    x = torch.randn(6, 50, generator=gen)
+    x[2, 3] = float("nan")
+    assert kernels.nonfinite_rows(x.t().contiguous().t()) == [2]
+    assert kernels.nonfinite_rows(x.bfloat16()) == [2]
+
+
 def test_sampler_with_the_c_argmax_draws_the_same_tokens(kernels):
     from conveyor.core.sequence import Sequence
     from conveyor.model.sampling.sampler import Sampler

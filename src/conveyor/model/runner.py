@@ -84,8 +84,9 @@ class ModelRunner:
         self.vocab_size = self.model.config.vocab_size
         if tp is None or tp.rank == 0:  # only rank 0 samples
             argmax = None if kernels is None else kernels.argmax
+            nonfinite = None if kernels is None else kernels.nonfinite_rows
             sampler = Sampler(self.vocab_size, config.seed, self.device, argmax)
-            self.sampler = FiniteLogitsGuard(sampler)
+            self.sampler = FiniteLogitsGuard(sampler, nonfinite)
             self.pooler = Pooler()
 
     def remove_requests(self, request_ids: list[str]) -> None:

@@ -65,6 +65,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "conveyor_rotary_f32": (_ROTARY_ARGS, None),
     "conveyor_silu_mul_f32": (_SILU_MUL_ARGS, None),
     "conveyor_argmax_f32": (_ARGMAX_ARGS, None),
+    "conveyor_nonfinite_rows_f32": (_ARGMAX_ARGS, ctypes.c_int),
     "conveyor_linear_f32": (_LINEAR_ARGS, None),
     "conveyor_linear_bf16": (_LINEAR_ARGS, None),
     # bf16 panels one to a group (quant_gemm.c's slices) or PANEL_GROUP to one
@@ -109,6 +110,7 @@ class CpuKernels:
         self._rotary = fns["conveyor_rotary_f32"]
         self._silu_mul = fns["conveyor_silu_mul_f32"]
         self._argmax = fns["conveyor_argmax_f32"]
+        self._nonfinite_rows = fns["conveyor_nonfinite_rows_f32"]
         self._linear = {
             torch.float32: fns["conveyor_linear_f32"],
             torch.bfloat16: fns["conveyor_linear_bf16"],
@@ -221,6 +223,23 @@ class CpuKernels:
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def nonfinite_rows(self, x: torch.Tensor) -> list[int]:
+        """The rows of a [N, V] tensor that hold a NaN or an infinity, in order: one C pass for
+        float32 CPU rows with unit stride, torch's isfinite for anything else."""
+        if (
+            x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.dim() != 2
+            or (x.shape[1] > 1 and x.stride(1) != 1)
+        ):
+            return (~torch.isfinite(x).all(dim=-1)).nonzero().flatten().tolist()
+        rows, cols = x.shape
+        bad = torch.empty(rows, dtype=torch.uint8)
+        threads = torch.get_num_threads()
+        if not self._nonfinite_rows(x.data_ptr(), x.stride(0), rows, cols, bad.data_ptr(), threads):
+            return []
+        return bad.nonzero().flatten().tolist()
 
     def linear_rows(self, packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64, any shape) of the [n, k] weight packed in `packed` (CpuLinear's

@@ -1,7 +1,8 @@
 """FiniteLogitsGuard: a request whose logits are not finite fails alone, not with its batch.
 
-Wraps the model runner's sampler. One reduction per row finds the rows holding NaN or ±inf
-(any such element makes the row's sum non-finite): a numerical fault of that request. Those
+Wraps the model runner's sampler. One pass over the logits finds the rows holding NaN or ±inf
+(CpuKernels.nonfinite_rows on CPU, a C loop; torch's isfinite elsewhere): a numerical fault of
+that request. Those
 rows are sampled from zeros instead, so the sampler's arithmetic stays defined for the rest
 of the batch, and their token becomes INVALID_TOKEN, which the engine turns into a failure of
 that one request. The healthy rows' tokens are exactly what the sampler alone would give.
@@ -10,6 +11,7 @@ The model runner builds its sampler wrapped in this guard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,8 +23,13 @@ INVALID_TOKEN = -1
 class FiniteLogitsGuard:
     """Callable like the sampler it wraps; every other attribute is the sampler's."""
 
-    def __init__(self, sampler: Any) -> None:
+    def __init__(
+        self, sampler: Any, nonfinite_rows: Callable[[torch.Tensor], list[int]] | None = None
+    ) -> None:
+        """`nonfinite_rows(logits)`: the rows holding a NaN or an infinity, in order (None:
+        torch's isfinite)."""
         self.sampler = sampler
+        self.nonfinite_rows = nonfinite_rows or _torch_nonfinite_rows
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sampler, name)
@@ -34,12 +41,16 @@ class FiniteLogitsGuard:
             logits: [N, V], row i belongs to requests[i]; not modified.
             requests: the N requests, in row order.
         """
-        finite = torch.isfinite(logits.sum(dim=-1))
-        if bool(finite.all()):
+        bad = self.nonfinite_rows(logits)
+        if not bad:
             return self.sampler(logits, requests)
-        bad = (~finite).nonzero().flatten().tolist()
-        out = self.sampler(logits.masked_fill(~finite.unsqueeze(1), 0.0), requests)
+        rows = torch.tensor(bad, device=logits.device)
+        out = self.sampler(logits.index_fill(0, rows, 0.0), requests)
         for i in bad:
             out.token_ids[i] = INVALID_TOKEN
             out.logprobs[i] = None
         return out
+
+
+def _torch_nonfinite_rows(logits: torch.Tensor) -> list[int]:
+    return (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()

@@ -87,3 +87,24 @@ void conveyor_argmax_f32(const float *x, int64_t stride, int64_t rows, int64_t c
         if (rows > 1 && rows * cols >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, cols);
 }
+
+/* Whether row i of x holds a NaN or an infinity: bad[i] = 1 or 0 (the sampler's guard fails
+ * such a request alone); returns the number of such rows. One pass over the exponent bits
+ * (all ones: inf or NaN), which the compiler vectorises, instead of a sum, an isfinite and a
+ * reduction through torch each step. */
+int conveyor_nonfinite_rows_f32(const float *x, int64_t stride, int64_t rows, int64_t cols,
+                                uint8_t *bad, int num_threads)
+{
+    int count = 0;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : count) \
+        if (rows > 1 && rows * cols >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *bits = (const uint32_t *)(x + r * stride);
+        uint32_t all_ones = 0;
+        for (int64_t i = 0; i < cols; i++)
+            all_ones |= (bits[i] & 0x7f800000u) == 0x7f800000u;
+        bad[r] = (uint8_t)all_ones;
+        count += (int)all_ones;
+    }
+    return count;
+}
