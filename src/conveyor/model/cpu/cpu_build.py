@@ -167,11 +167,13 @@ def _run(cmd: list[str]) -> None:
 def _compile_and_link(cc: list[str], flags: list[str], objs: Path, out: str) -> None:
     """Compile each source to an object in `objs`, as many at once as there are cores (the
     largest first, so the last to finish is a small one), then link them into `out`. On two
-    cores this halves a first start's build (about 5 s to 2.7 s on a Zen 3 EPYC)."""
+    cores a first start's build takes 3.1 s instead of 5.3 (a Zen 3 EPYC)."""
     srcs = sources()
     jobs = sorted(srcs, key=lambda src: -src.stat().st_size)
     obj = {src: objs / (src.stem + ".o") for src in srcs}
-    workers = max(1, min(len(srcs), os.cpu_count() or 1))
+    # The cores this process may run on (a container's cpuset), not the host's count.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = max(1, min(len(srcs), cores or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         # list(): every compile's exception surfaces here, the first in size order raised.
         list(pool.map(lambda src: _run([*cc, *flags, "-c", str(src), "-o", str(obj[src])]), jobs))
