@@ -93,6 +93,17 @@ LINEAR_PANEL_GROUP = 4
 LINEAR_ISAS = ("portable", "avx2", "avx512", "avx512-bf16")
 
 
+def _c_rows(x: torch.Tensor) -> bool:
+    """Whether the row-wise C loops (argmax, nonfinite_rows) can read x: float32 [N, V] on the
+    CPU, unit stride along a row."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and (x.shape[1] <= 1 or x.stride(1) == 1)
+    )
+
+
 class CpuKernels:
     """The loaded library; one method per kernel, each checking what C cannot."""
 
@@ -210,14 +221,7 @@ class CpuKernels:
         """torch.argmax(x, dim=-1) of a [N, V] tensor, the same int64 [N] indices (the first
         maximum; a NaN is the maximum): the C loop for float32 CPU rows with unit stride,
         torch's own argmax for anything else."""
-        if (
-            x.dtype != torch.float32
-            or x.device.type != "cpu"
-            or x.dim() != 2
-            or x.shape[1] == 0
-            or x.shape[1] >= 2**31
-            or (x.shape[1] > 1 and x.stride(1) != 1)
-        ):
+        if not _c_rows(x) or x.shape[1] == 0 or x.shape[1] >= 2**31:
             return x.argmax(dim=-1)
         rows, cols = x.shape
         out = torch.empty(rows, dtype=torch.int64)
@@ -227,12 +231,7 @@ class CpuKernels:
     def nonfinite_rows(self, x: torch.Tensor) -> list[int]:
         """The rows of a [N, V] tensor that hold a NaN or an infinity, in order: one C pass for
         float32 CPU rows with unit stride, torch's isfinite for anything else."""
-        if (
-            x.dtype != torch.float32
-            or x.device.type != "cpu"
-            or x.dim() != 2
-            or (x.shape[1] > 1 and x.stride(1) != 1)
-        ):
+        if not _c_rows(x):
             return (~torch.isfinite(x).all(dim=-1)).nonzero().flatten().tolist()
         rows, cols = x.shape
         bad = torch.empty(rows, dtype=torch.uint8)

@@ -2,11 +2,10 @@
 
 Wraps the model runner's sampler. One pass over the logits finds the rows holding NaN or ±inf
 (CpuKernels.nonfinite_rows on CPU, a C loop; torch's isfinite elsewhere): a numerical fault of
-that request. Those
-rows are sampled from zeros instead, so the sampler's arithmetic stays defined for the rest
-of the batch, and their token becomes INVALID_TOKEN, which the engine turns into a failure of
-that one request. The healthy rows' tokens are exactly what the sampler alone would give.
-The model runner builds its sampler wrapped in this guard.
+that request. Those rows are sampled from zeros instead, so the sampler's arithmetic stays
+defined for the rest of the batch, and their token becomes INVALID_TOKEN, which the engine
+turns into a failure of that one request. The healthy rows' tokens are exactly what the
+sampler alone would give. The model runner builds its sampler wrapped in this guard.
 """
 
 from __future__ import annotations

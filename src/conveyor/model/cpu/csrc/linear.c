@@ -638,9 +638,8 @@ int conveyor_linear_isa(void)
  * panels, in one call rather than a dozen tensor ops a token. A row's k values lie one (or
  * one pair) to a line, each line `qs` lines after the last within its group. Returns 1 when
  * an id is outside [0, n), writing nothing then, else 0. */
-int conveyor_linear_rows(const void *packed, int bf16, int64_t n, int64_t k,
-                             const int64_t *ids, int64_t count, float *out, int64_t ldo,
-                             int num_threads)
+int conveyor_linear_rows(const void *packed, int bf16, int64_t n, int64_t k, const int64_t *ids,
+                         int64_t count, float *out, int64_t ldo, int num_threads)
 {
     for (int64_t i = 0; i < count; i++)
         if (ids[i] < 0 || ids[i] >= n)
@@ -648,23 +647,18 @@ int conveyor_linear_rows(const void *packed, int bf16, int64_t n, int64_t k,
     const int64_t panels = (n + NR - 1) / NR, lines = bf16 ? (k + 1) / 2 : k;
 #pragma omp parallel for num_threads(num_threads) if (count * k >= PACK_PARALLEL_MIN)
     for (int64_t i = 0; i < count; i++) {
-        const int64_t p = ids[i] / NR, col = ids[i] % NR;
-        const int64_t line0 = panel_line0(p, lines, PANEL_GROUP);
-        const int64_t qs = panel_qs(p, panels, PANEL_GROUP);
+        const int col = (int)(ids[i] % NR);
+        const int64_t p = ids[i] / NR, line0 = panel_line0(p, lines, PANEL_GROUP);
+        const int64_t step = panel_qs(p, panels, PANEL_GROUP) * NR; /* elements a line apart */
         float *o = out + i * ldo;
-        if (!bf16) {
+        if (bf16) {
+            const uint16_t *w = (const uint16_t *)packed + line0 * NR * 2;
+            for (int64_t kk = 0; kk < k; kk++)
+                o[kk] = bf16_at(w + (kk >> 1) * step * 2, kk, col);
+        } else {
             const float *w = (const float *)packed + line0 * NR + col;
-            for (int64_t l = 0; l < lines; l++)
-                o[l] = w[l * qs * NR];
-            continue;
-        }
-        const uint16_t *w = (const uint16_t *)packed + (line0 * NR + col) * 2;
-        for (int64_t l = 0; l < lines; l++) {
-            const uint32_t lo = (uint32_t)w[l * qs * NR * 2] << 16;
-            const uint32_t hi = (uint32_t)w[l * qs * NR * 2 + 1] << 16;
-            memcpy(o + 2 * l, &lo, sizeof lo);
-            if (2 * l + 1 < k) /* an odd K's padding pair holds one value */
-                memcpy(o + 2 * l + 1, &hi, sizeof hi);
+            for (int64_t kk = 0; kk < k; kk++)
+                o[kk] = w[kk * step];
         }
     }
     return 0;
