@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -333,6 +335,17 @@ def test_models_health_version_tokenize_detokenize(server, client) -> None:
     assert text == "Hello world"
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
     assert httpx.post(f"{url}/tokenize", json=chat).json()["count"] > tok["count"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_http_process_never_loads_torch(server, client) -> None:
+    """After requests of every kind, the server process (not its engine process) has mapped
+    no torch library: the tokenizer of an HF folder loads without it."""
+    client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "/torch/" not in maps
 
 
 def test_a_repeated_prefix_is_reported_as_cached_tokens(client, server) -> None:

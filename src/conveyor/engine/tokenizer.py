@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from conveyor.engine.tokenizer_class import auto_tokenizer_class
 from conveyor.model.loading.checkpoint import find_gguf_file
 from conveyor.sampling_params import SamplingParams
 
@@ -67,12 +68,20 @@ class Tokenizer:
         if not Path(path).is_dir():
             # Never fall through to a hub download: checkpoints are local directories.
             raise ValueError(f"tokenizer directory not found: {str(path)!r}")
-        # Imported here: transformers' AutoTokenizer imports torch, which a GGUF file's
-        # tokenizer does without.
-        from transformers import AutoTokenizer
+        # The class AutoTokenizer would pick, without importing it: it imports torch, which
+        # the server process never needs (engine/tokenizer_class.py). An absolute path, so
+        # AutoTokenizer never matches it against its list of Hub names either.
+        folder = Path(path).resolve()
+        name = auto_tokenizer_class(folder)
+        if name is not None:
+            import transformers
 
-        hf = AutoTokenizer.from_pretrained(str(path))
-        return cls(hf, _generation_eos_ids(Path(path)))
+            hf = getattr(transformers, name).from_pretrained(str(folder))
+        else:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(folder))
+        return cls(hf, _generation_eos_ids(folder))
 
     def with_generation_eos(self, params: SamplingParams) -> SamplingParams:
         """`params` plus the extra eos ids (generation_config.json) as stop token ids, so they
