@@ -73,14 +73,12 @@ class Tokenizer:
         # AutoTokenizer never matches it against its list of Hub names either.
         folder = Path(path).resolve()
         name = auto_tokenizer_class(folder)
-        if name is not None:
-            import transformers
+        import transformers
 
-            hf = getattr(transformers, name).from_pretrained(str(folder))
-        else:
-            from transformers import AutoTokenizer
-
-            hf = AutoTokenizer.from_pretrained(str(folder))
+        hf_class = getattr(transformers, name, None) if name is not None else None
+        if hf_class is None:  # not a replayed case (or a transformers without that class)
+            from transformers import AutoTokenizer as hf_class
+        hf = hf_class.from_pretrained(str(folder))
         return cls(hf, _generation_eos_ids(folder))
 
     def with_generation_eos(self, params: SamplingParams) -> SamplingParams:
