@@ -4,6 +4,7 @@ left to AutoTokenizer; and an HF folder's tokenizer loads without importing torc
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -46,17 +47,24 @@ def metaspace_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _folder(tmp: Path, base: Path, model_type: str, hub: str | None, **extra) -> Path:
-    folder = tmp / f"{model_type}-{hub}-{base.name}"
+def _folder(
+    tmp: Path, base: Path, model_type: str, hub: str | None, in_config: bool = False, **extra
+) -> Path:
+    """A copy of the tokenizer folder `base` with config.json's model_type, its class `hub`
+    in tokenizer_config.json (in config.json instead when in_config) and `extra` fields."""
+    folder = tmp / f"{model_type}-{hub}-{in_config}-{base.name}"
     shutil.copytree(base, folder)
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config.pop("tokenizer_class", None)
-    if hub is not None:
+    if hub is not None and not in_config:
         config["tokenizer_class"] = hub
     config.update(extra)
     config_path.write_text(json.dumps(config))
-    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    model_config = {"model_type": model_type}
+    if hub is not None and in_config:
+        model_config["tokenizer_class"] = hub
+    (folder / "config.json").write_text(json.dumps(model_config))
     return folder
 
 
@@ -74,8 +82,8 @@ def test_the_class_and_tokens_are_autotokenizers(
     tmp_path: Path,
 ) -> None:  # fmt: skip
     base = tiny_tokenizer_dir if kind == "byte_level" else metaspace_tokenizer_dir
-    for hub in HUB_CLASSES:
-        folder = _folder(tmp_path, base, model_type, hub)
+    for hub, in_config in itertools.product(HUB_CLASSES, (False, True)):
+        folder = _folder(tmp_path, base, model_type, hub, in_config)
         name = tokenizer_class.auto_tokenizer_class(folder)
         want = AutoTokenizer.from_pretrained(str(folder))
         # No class named anywhere: left to AutoTokenizer (its choice then reads config.json's

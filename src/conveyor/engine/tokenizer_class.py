@@ -37,7 +37,7 @@ _KNOWN_CLASSES = frozenset(
      "Qwen2Tokenizer"]
 )  # fmt: skip
 # Names whose class is the generic backend that reads tokenizer.json as it is.
-_GENERIC = frozenset({"TokenizersBackend", "PreTrainedTokenizer", "PythonBackend"})
+_GENERIC = frozenset({"TokenizersBackend", "PreTrainedTokenizer"})
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
