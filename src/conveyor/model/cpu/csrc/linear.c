@@ -233,7 +233,8 @@ static inline __attribute__((always_inline)) void store_row(float *o, int cols, 
  * k = 2i + 1 in its high half (CpuLinear packs them so). That is the operand vdpbf16ps takes;
  * widened, a bf16 is the top half of its float32, so one load of a pair's words gives both
  * k in one integer operation each: a shift left by 16 (even k) or a mask of the high halves
- * (odd k). Widened, the products and sums are float32, as with float32 weights. */
+ * (odd k; AVX2 clears the low halves with two shifts instead). Widened, the products and sums
+ * are float32, as with float32 weights. */
 static inline float bf16_at(const uint16_t *line, int64_t kk, int j)
 {
     const uint32_t bits = (uint32_t)line[2 * j + (kk & 1)] << 16;
@@ -251,9 +252,10 @@ static inline float bf16_at(const uint16_t *line, int64_t kk, int j)
     do {                                                                                       \
         const __m256i *p_ = (const __m256i *)LINE_AT(panel, kk, qs);                           \
         const __m256i v0_ = _mm256_loadu_si256(p_), v1_ = _mm256_loadu_si256(p_ + 1);          \
-        const __m256i hi_ = _mm256_set1_epi32((int)0xFFFF0000u);                               \
-        w0 = _mm256_castsi256_ps(odd ? _mm256_and_si256(v0_, hi_) : _mm256_slli_epi32(v0_, 16)); \
-        w1 = _mm256_castsi256_ps(odd ? _mm256_and_si256(v1_, hi_) : _mm256_slli_epi32(v1_, 16)); \
+        /* odd: the high halves, by two shifts: a mask would take a 16th ymm, and the 6 x 16  \
+         * block then spills an accumulator every k (docs/kernels.md#measured-choices) */      \
+        w0 = _mm256_castsi256_ps(_mm256_slli_epi32(odd ? _mm256_srli_epi32(v0_, 16) : v0_, 16)); \
+        w1 = _mm256_castsi256_ps(_mm256_slli_epi32(odd ? _mm256_srli_epi32(v1_, 16) : v1_, 16)); \
     } while (0)
 #define LOAD_W512(panel, kk, odd, qs)                                                          \
     _mm512_castsi512_ps(odd ? _mm512_and_si512(_mm512_loadu_si512(LINE_AT(panel, kk, qs)),     \

@@ -109,6 +109,9 @@ WIDES_ALL
             _mm_prefetch((const char *)LINE_AT(panel, kx + PREFETCH_K, qs), _MM_HINT_T0);      \
         __m256 w0, w1;                                                                         \
         LOAD_W(panel, kx, odd, qs, w0, w1);                                                    \
+        /* kept in registers: folded into each FMA, w is loaded 12 times a k besides the 6  \
+         * broadcasts, and the load ports bound the block (docs/kernels.md#measured-choices) */\
+        __asm__("" : "+x"(w0), "+x"(w1));                                                      \
         ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)                      \
     }
 MICROS_ALL
