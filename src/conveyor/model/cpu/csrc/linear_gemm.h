@@ -86,7 +86,7 @@ WIDES_ALL
 #define MICRO(R)                                                                               \
     static void MICRO_FN(R)(const float *x, int64_t ldx, const W_T *panel, int64_t qs,         \
                             int64_t kb, const float *bias, int first, int prefetch, float *o,  \
-                            int64_t ldo, int cols)                                             \
+                            int64_t ldo, int cols, const W_T *ahead, int64_t ahead_kb)         \
     {                                                                                          \
         enum { RR = R };                                                                       \
         __m256 b0 = _mm256_setzero_ps(), b1 = b0;                                              \
@@ -107,6 +107,8 @@ WIDES_ALL
         const int64_t kx = (k_);                                                               \
         if (prefetch && (!(odd) || PREFETCH_ODD))                                              \
             _mm_prefetch((const char *)LINE_AT(panel, kx + PREFETCH_K, qs), _MM_HINT_T0);      \
+        else if (ahead && kx < ahead_kb && (!(odd) || PREFETCH_ODD))                           \
+            _mm_prefetch((const char *)LINE_AT(ahead, kx, qs), _MM_HINT_T0);                   \
         __m256 w0, w1;                                                                         \
         LOAD_W(panel, kx, odd, qs, w0, w1);                                                    \
         /* kept in registers: folded into each FMA, w is loaded 12 times a k besides the 6  \
@@ -170,7 +172,8 @@ static void (*const WIDES_TABLE[WIDE_R + 1])(const float *, int64_t, int64_t, co
 #undef WIDE
 #else /* x's rows ldx apart */
 static void (*const MICROS_TABLE[MR + 1])(const float *, int64_t, const W_T *, int64_t, int64_t,
-                                          const float *, int, int, float *, int64_t, int) = {
+                                          const float *, int, int, float *, int64_t, int,
+                                          const W_T *, int64_t) = {
     MICROS_LIST};
 #endif
 #undef MICRO
@@ -237,7 +240,7 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                             for (int64_t r = 0; r < mb; r += MR)
                                 MICROS_TABLE[mb - r < MR ? mb - r : MR](
                                     xr + r * ldx, ldx, panel, qs, kb, pbias, k0 == 0, r == 0,
-                                    o + r * ldo, ldo, cols);
+                                    o + r * ldo, ldo, cols, 0, 0);
 #endif
                     }
                 }
@@ -267,8 +270,23 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                     MICROS_TABLE[rows](xr, MR, 0, panel, qs, kb, pbias, k0 == 0, r == 0,
                                        o + r * ldo, ldo, cols);
 #else
+                    /* The second row block prefetches what the next first one reads first
+                     * (the next block of this panel, or the next panel's first), so the
+                     * weights stream while it computes; from AHEAD_MIN_M rows (one more
+                     * row block's compute than its prefetches cost). */
+                    const W_T *ahead = 0;
+                    int64_t ahead_kb = 0;
+                    const int fetch = r == MR && mb >= AHEAD_MIN_M;
+                    if (fetch && k0 + KC < k) {
+                        ahead = LINE_AT(first_line, k0 + KC, qs);
+                        ahead_kb = k - k0 - KC < KC ? k - k0 - KC : KC;
+                    } else if (fetch && p + 1 < panels &&
+                               panel_qs(p + 1, panels, group) * LINE_ELEMS == qs) {
+                        ahead = packed + panel_line0(p + 1, lines, group) * LINE_ELEMS;
+                        ahead_kb = k < KC ? k : KC;
+                    }
                     MICROS_TABLE[rows](x + (m0 + r) * ldx + k0, ldx, panel, qs, kb, pbias,
-                                       k0 == 0, r == 0, o + r * ldo, ldo, cols);
+                                       k0 == 0, r == 0, o + r * ldo, ldo, cols, ahead, ahead_kb);
 #endif
                 }
             }
