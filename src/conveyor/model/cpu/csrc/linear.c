@@ -211,7 +211,7 @@ static inline __attribute__((always_inline)) void store_row(float *o, int cols, 
 #define KSTEP(k) (k)
 #define K_PER_LINE 1
 #define PREFETCH_ODD 1 /* every k starts a 64-byte line */
-#define AHEAD_MIN_M 7 /* AVX2 blocks: the second row block prefetches the next (kernels.md) */
+#define AHEAD_PREFETCH 1 /* AVX2 blocks: the second row block prefetches the next (kernels.md) */
 #define LINE_AT(panel, kk, qs) ((panel) + (kk) * (qs))
 #define LOAD_W(panel, kk, odd, qs, w0, w1)                                                     \
     (w0 = _mm256_loadu_ps(LINE_AT(panel, kk, qs)), w1 = _mm256_loadu_ps(LINE_AT(panel, kk, qs) + 8))
@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void store_row(float *o, int cols, 
 #undef KSTEP
 #undef K_PER_LINE
 #undef PREFETCH_ODD
-#undef AHEAD_MIN_M
+#undef AHEAD_PREFETCH
 #undef LINE_AT
 #undef LOAD_W
 #undef LOAD_W512
@@ -249,7 +249,7 @@ static inline float bf16_at(const uint16_t *line, int64_t kk, int j)
 #define KSTEP(k) ((k) + ((k) & 1))
 #define K_PER_LINE 2
 #define PREFETCH_ODD 0 /* a pair of k is one 64-byte line */
-#define AHEAD_MIN_M (MC + 1) /* never: bf16 measured 0.85-1.18x, no steady gain (kernels.md) */
+#define AHEAD_PREFETCH 0 /* bf16 measured 0.85-1.18x, no steady gain (kernels.md) */
 #define LINE_AT(panel, kk, qs) ((panel) + ((kk) >> 1) * (qs))
 #define LOAD_W(panel, kk, odd, qs, w0, w1)                                                     \
     do {                                                                                       \
@@ -278,7 +278,7 @@ static inline float bf16_at(const uint16_t *line, int64_t kk, int j)
 #undef KSTEP
 #undef K_PER_LINE
 #undef PREFETCH_ODD
-#undef AHEAD_MIN_M
+#undef AHEAD_PREFETCH
 #undef LINE_AT
 #undef LOAD_W
 #undef LOAD_W512

@@ -270,13 +270,12 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                     MICROS_TABLE[rows](xr, MR, 0, panel, qs, kb, pbias, k0 == 0, r == 0,
                                        o + r * ldo, ldo, cols);
 #else
-                    /* The second row block prefetches what the next first one reads first
-                     * (the next block of this panel, or the next panel's first), so the
-                     * weights stream while it computes; from AHEAD_MIN_M rows (one more
-                     * row block's compute than its prefetches cost). */
+                    /* With AHEAD_PREFETCH, the second row block (7 rows or more) prefetches
+                     * what the next first one reads first (the next block of this panel, or
+                     * the next panel's first), so the weights stream while it computes. */
                     const W_T *ahead = 0;
                     int64_t ahead_kb = 0;
-                    const int fetch = r == MR && mb >= AHEAD_MIN_M;
+                    const int fetch = AHEAD_PREFETCH && r == MR;
                     if (fetch && k0 + KC < k) {
                         ahead = LINE_AT(first_line, k0 + KC, qs);
                         ahead_kb = k - k0 - KC < KC ? k - k0 - KC : KC;
