@@ -87,6 +87,12 @@ class EngineConfig:
         section=MODEL,
         choices=ATTENTION_BACKENDS,
     )
+    enforce_eager: bool = setting(
+        False,
+        "CUDA: run every step eagerly; by default decode steps of up to max_num_seqs requests "
+        "replay CUDA graphs captured at start-up (model/decode_graphs.py)",
+        section=MODEL,
+    )
     linear_backend: str = setting(
         "auto",
         "GEMMs (model/cpu/linear.py): cpu (our C kernel on weights packed once at load, float32 "
@@ -192,10 +198,9 @@ class EngineConfig:
         check_number(
             "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]", lambda v: 0 < v <= 1
         )
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}."
-            )
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         check_positive_int("data_parallel_size", self.data_parallel_size)
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError(

@@ -18,13 +18,16 @@ the pooler (model/pooler.py), which returns a vector once the prompt's last chun
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from conveyor.core.logprobs import TokenLogprobs
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence
 from conveyor.engine.config import EngineConfig
-from conveyor.model.attention import AttentionMetadata, build_attention_metadata
+from conveyor.model.attention.metadata import build_step_metadata
+from conveyor.model.decode_graphs import DecodeGraphs
 from conveyor.model.kv_sizing import allocate_kv_cache, size_kv_cache
 from conveyor.model.loading.demo import demo_model_path
 from conveyor.model.loading.loader import load_weights, read_hf_config
@@ -46,6 +49,20 @@ StepResult = tuple[
     dict[str, list[tuple[int, TokenLogprobs]]],
     dict[str, list[float]],
 ]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's rows as host lists (ModelRunner._gather), batch order."""
+
+    token_ids: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    sampled: list[Sequence]  # the requests sampled this step ...
+    sample_rows: list[int]  # ... and their rows
+    prompt_rows: list[PromptRows]
+    pool_rows: list[PoolRows]
 
 
 class ModelRunner:
@@ -82,12 +99,28 @@ class ModelRunner:
         self.linear_backend, self.kv_cache_space_gb = s.linear_backend, s.kv_cache_space_gb
         self.num_kv_blocks, self.max_model_len = kv.num_blocks, kv.max_model_len
         self.vocab_size = self.model.config.vocab_size
+        # 5. CUDA: the decode steps' forward captured as graphs (decode_graphs.py).
+        self.graphs = None
+        if self._graphs_apply(config):
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, config.max_num_seqs, self.max_model_len,
+                self.block_size, self.device,
+            )  # fmt: skip
         if tp is None or tp.rank == 0:  # only rank 0 samples
             argmax = None if kernels is None else kernels.argmax
             nonfinite = None if kernels is None else kernels.nonfinite_rows
             sampler = Sampler(self.vocab_size, config.seed, self.device, argmax)
             self.sampler = FiniteLogitsGuard(sampler, nonfinite)
             self.pooler = Pooler()
+
+    def _graphs_apply(self, config: EngineConfig) -> bool:
+        """CUDA graphs need CUDA, a whole model here (no tensor-parallel collectives inside a
+        graph yet), and the Triton backend, which reads a step's shape from device tensors
+        only; enforce_eager turns them off."""
+        if config.enforce_eager or self.device.type != "cuda" or self.tp is not None:
+            return False
+        backend = self.model.model.layers[0].self_attn.backend
+        return backend.name == "triton"
 
     def remove_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -110,57 +143,68 @@ class ModelRunner:
         return self._execute(out)
 
     def _execute(self, out: SchedulerOutput) -> StepResult:
-        input_ids, meta, sample_rows, sampled, prompt_rows, pool_rows = self._prepare(out)
-        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        step = self._gather(out)
+        hidden, rows = self.forward(step)
+        prompt_rows, pool_rows, sampled = step.prompt_rows, step.pool_rows, step.sampled
         prompt_lps = prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else {}
         embeddings = self.pooler(hidden, pool_rows) if pool_rows else {}
         if not sampled:  # a pure prefill-chunk (or embedding) step: it wrote the K/V
             return [], None, prompt_lps, embeddings
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
         return sampled, self.sampler(logits, sampled), prompt_lps, embeddings
 
-    def _prepare(
-        self, out: SchedulerOutput
-    ) -> tuple[
-        torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence], list[PromptRows],
-        list[PoolRows],
-    ]:  # fmt: skip
-        token_ids: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sampled: list[Sequence] = []
-        sample_rows: list[int] = []
-        prompt_rows: list[PromptRows] = []
-        pool_rows: list[PoolRows] = []
-        tables = []
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward over one step's rows: a CUDA graph's replay for a decode step
+        that has one, else eagerly. Returns the hidden states and the rows to sample (None:
+        every row, in order)."""
+        graphs, batch = self.graphs, len(step.query_lens)
+        if (
+            graphs is not None
+            and graphs.fits(batch)
+            and len(step.token_ids) == batch  # one new token each
+            and len(step.sample_rows) == batch  # every one sampled
+            and not step.prompt_rows
+            and not step.pool_rows
+        ):
+            return graphs.run(step.token_ids, step.seq_lens, step.tables), None
+        # The scheduler gives every request >= 1 new token and a table covering its context.
+        meta, (input_ids, rows) = build_step_metadata(
+            step.query_lens, step.seq_lens, step.tables, self.block_size, self.device,
+            (step.token_ids, step.sample_rows),
+        )  # fmt: skip
+        return self.model(input_ids, meta.positions, self.kv_caches, meta), rows
+
+    def _gather(self, out: SchedulerOutput) -> StepInputs:
+        """The step's rows as host lists (and, tensor-parallel, sent to the other ranks)."""
+        step = StepInputs([], [], [], [], [], [], [], [])
         row = 0
         for req in out.scheduled:
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
             end = start + n
-            token_ids.extend(req.token_slice(start, end))
-            query_lens.append(n)
-            seq_lens.append(end)
-            tables.append(out.block_tables[req.request_id])
+            step.token_ids.extend(req.token_slice(start, end))
+            step.query_lens.append(n)
+            step.seq_lens.append(end)
+            step.tables.append(out.block_tables[req.request_id])
             # Row of position p predicts token p + 1: prompt tokens up to the prompt's last.
             last = min(end, req.num_prompt_tokens - 1)
             if req.sampling_params.prompt_logprobs is not None and start < last:
-                prompt_rows.append((req, start + 1, row, last - start))
+                step.prompt_rows.append((req, start + 1, row, last - start))
             if req.sampling_params.pooling is not None:  # pooled, never sampled
-                pool_rows.append((req, row, n, start))
+                step.pool_rows.append((req, row, n, start))
                 row += n
                 continue
             row += n
             if end == req.num_tokens:
-                sampled.append(req)
-                sample_rows.append(row - 1)
+                step.sampled.append(req)
+                step.sample_rows.append(row - 1)
 
         if self.tp is not None:  # the other ranks run the same step
-            rows = [r for _, _, r0, c in prompt_rows for r in range(r0, r0 + c)]
-            self.tp.send_step(StepBatch(token_ids, query_lens, seq_lens, tables, rows, sample_rows))
-        dev = self.device
-        # The scheduler gives every request >= 1 new token and a table covering its context.
-        meta = build_attention_metadata(query_lens, seq_lens, tables, self.block_size, dev)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, meta, rows, sampled, prompt_rows, pool_rows
+            rows = [r for _, _, r0, c in step.prompt_rows for r in range(r0, r0 + c)]
+            self.tp.send_step(
+                StepBatch(
+                    step.token_ids, step.query_lens, step.seq_lens, step.tables, rows,
+                    step.sample_rows,
+                )
+            )  # fmt: skip
+        return step

@@ -46,9 +46,22 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
+    """One step's AttentionMetadata from host lists: `build_step_metadata` without extras."""
+    return build_step_metadata(query_lens, seq_lens, block_tables, block_size, device)[0]
+
+
+def build_step_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    extra: tuple[list[int], ...] = (),
+) -> tuple[AttentionMetadata, list[torch.Tensor]]:
     """Build one step's AttentionMetadata from host lists (the runner's, every step).
 
-    Positions and slots are computed in numpy on the host, then copied to `device` once.
+    Positions and slots are computed in numpy on the host, then copied to `device` together
+    (on CUDA in one non-blocking copy, `to_device_int64`), with the caller's `extra` lists.
 
     Args:
         query_lens: new tokens per request, batch order (each >= 1).
@@ -56,8 +69,10 @@ def build_attention_metadata(
         block_tables: block ids per request, covering at least seq_len tokens.
         block_size: tokens per KV block.
         device: where the tensors go.
+        extra: int lists the caller needs on `device` too (the runner's token ids and
+            sampled rows), sent in the same copy.
     Returns:
-        the metadata, positions included.
+        the metadata, positions included, and the `extra` lists as int64 tensors.
     Raises:
         ValueError: lists of different lengths, or a request shape that breaks the rules above.
     """
@@ -79,17 +94,34 @@ def build_attention_metadata(
     for i, table in enumerate(block_tables):
         tables[i, : len(table)] = table
     slots = tables[req_of_token, positions // block_size] * block_size + positions % block_size
-    return AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device),
-        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(s_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
+    extras = (np.asarray(x, dtype=np.int64) for x in extra)
+    parts = (slots, query_start_loc, s_lens, tables, positions, *extras)
+    dev = to_device_int64(parts, torch.device(device))
+    meta = AttentionMetadata(
+        slot_mapping=dev[0],
+        query_start_loc=dev[1].to(torch.int32),
+        seq_lens=dev[2].to(torch.int32),
+        block_tables=dev[3].to(torch.int32),
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
         max_query_len=int(q_lens.max()),
         max_seq_len=int(s_lens.max()),
-        positions=torch.from_numpy(positions).to(device),
+        positions=dev[4],
     )
+    return meta, dev[5:]
+
+
+def to_device_int64(arrays: tuple[np.ndarray, ...], device: torch.device) -> list[torch.Tensor]:
+    """int64 copies of `arrays` on `device`, each in its own shape. On CUDA in ONE
+    non-blocking copy from pinned memory: a copy from pageable memory waits for the stream,
+    so six of them would stall the host six times a step."""
+    if device.type != "cuda":
+        return [torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device) for a in arrays]
+    sizes = [a.size for a in arrays]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+    np.concatenate([a.ravel() for a in arrays], out=host.numpy())
+    flat = host.to(device, non_blocking=True)
+    return [x.view(a.shape) for x, a in zip(flat.split(sizes), arrays, strict=True)]
 
 
 class AttentionBackend(ABC):

@@ -6,6 +6,10 @@ that request. Those rows are sampled from zeros instead, so the sampler's arithm
 defined for the rest of the batch, and their token becomes INVALID_TOKEN, which the engine
 turns into a failure of that one request. The healthy rows' tokens are exactly what the
 sampler alone would give. The model runner builds its sampler wrapped in this guard.
+
+On a GPU, reading the bad rows before sampling would wait for the whole forward, so there the
+masking is unconditional (rows that are not finite become zeros, on the device) and the list
+of bad rows is read after the sampler's own copy to the host, when the GPU has nothing left.
 """
 
 from __future__ import annotations
@@ -40,15 +44,22 @@ class FiniteLogitsGuard:
             logits: [N, V], row i belongs to requests[i]; not modified.
             requests: the N requests, in row order.
         """
+        if logits.is_cuda:
+            finite = torch.isfinite(logits).all(dim=-1)
+            out = self.sampler(logits.masked_fill(~finite.unsqueeze(1), 0.0), requests)
+            return _invalidate(out, [i for i, ok in enumerate(finite.tolist()) if not ok])
         bad = self.nonfinite_rows(logits)
         if not bad:
             return self.sampler(logits, requests)
         rows = torch.tensor(bad, device=logits.device)
-        out = self.sampler(logits.index_fill(0, rows, 0.0), requests)
-        for i in bad:
-            out.token_ids[i] = INVALID_TOKEN
-            out.logprobs[i] = None
-        return out
+        return _invalidate(self.sampler(logits.index_fill(0, rows, 0.0), requests), bad)
+
+
+def _invalidate(out: Any, bad: list[int]) -> Any:
+    for i in bad:
+        out.token_ids[i] = INVALID_TOKEN
+        out.logprobs[i] = None
+    return out
 
 
 def _torch_nonfinite_rows(logits: torch.Tensor) -> list[int]:

@@ -17,6 +17,7 @@ from itertools import chain
 import torch
 
 from conveyor.core.sequence import Sequence
+from conveyor.model.host_copy import to_device
 from conveyor.sampling_params import SamplingParams
 
 # A top_p row without top_k looks for its nucleus among this many best tokens first (CPU).
@@ -39,7 +40,7 @@ def apply_token_masks(logits: torch.Tensor, requests: list[Sequence]) -> None:
     for i, req in enumerate(requests):
         p = req.sampling_params
         if p.allowed_token_ids is not None:
-            keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)
+            keep = to_device(p.allowed_token_ids, dev, torch.long)
             banned = torch.ones(vocab, dtype=torch.bool, device=dev)
             banned[keep[keep < vocab]] = False
             logits[i].masked_fill_(banned, float("-inf"))
@@ -52,7 +53,7 @@ def apply_token_masks(logits: torch.Tensor, requests: list[Sequence]) -> None:
                 rows.append(i)
                 cols.append(word[-1])
     if rows:
-        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+        logits[to_device(rows, dev), to_device(cols, dev)] = float("-inf")
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: list[Sequence]) -> None:
@@ -73,7 +74,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Sequence]) -> None:
                 cols.append(t)
     if rows:
         dev = logits.device
-        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+        logits[to_device(rows, dev), to_device(cols, dev)] = float("-inf")
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: list[Sequence]) -> None:
@@ -88,10 +89,8 @@ def apply_logit_bias(logits: torch.Tensor, requests: list[Sequence]) -> None:
             vals.append(float(b))
     if rows:
         dev = logits.device
-        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
-        logits.index_put_(
-            index, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True
-        )
+        index = (to_device(rows, dev), to_device(cols, dev))
+        logits.index_put_(index, to_device(vals, dev, logits.dtype), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Sequence]) -> None:
@@ -108,7 +107,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Sequence]) -> None:
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep_rows:
         rows, ids = _unique_pairs(*_token_index(requests, rep_rows, True, dev), vocab)
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=dev)
+        rep = to_device([p.repetition_penalty for p in params], dev, logits.dtype)
         vals, r = logits[rows, ids], rep[rows]
         logits[rows, ids] = torch.where(vals > 0, vals / r, vals * r)
     out_rows = [
@@ -116,8 +115,8 @@ def apply_penalties(logits: torch.Tensor, requests: list[Sequence]) -> None:
     ]
     if out_rows:
         rows, ids = _token_index(requests, out_rows, False, dev)
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)
+        freq = to_device([p.frequency_penalty for p in params], dev, logits.dtype)
+        pres = to_device([p.presence_penalty for p in params], dev, logits.dtype)
         # One subtraction per occurrence gives frequency * count.
         logits.index_put_((rows, ids), -freq[rows], accumulate=True)
         rows, ids = _unique_pairs(rows, ids, vocab)
@@ -131,9 +130,9 @@ def _token_index(
     seqs = [
         requests[i].all_token_ids if with_prompt else requests[i].output_token_ids for i in rows
     ]
-    ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long, device=device)
-    lens = torch.tensor([len(s) for s in seqs], device=device)
-    return torch.tensor(rows, device=device).repeat_interleave(lens), ids
+    ids = to_device(list(chain.from_iterable(seqs)), device, torch.long)
+    lens = to_device([len(s) for s in seqs], device)
+    return to_device(rows, device).repeat_interleave(lens), ids
 
 
 def _unique_pairs(rows: torch.Tensor, ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, ...]:
@@ -145,7 +144,7 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     """In place: mask the tokens less likely than min_p times the row's most likely one."""
     dev = logits.device
     # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p)  (log 0 = -inf masks nothing)
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)
+    min_p = to_device([p.min_p for p in params], dev, logits.dtype)
     floor = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
     logits.masked_fill_(logits < floor, float("-inf"))
 
@@ -183,19 +182,19 @@ def top_k_top_p(
         values, order = logits.sort(dim=-1, descending=True)
     else:
         values, order = logits.topk(width, dim=-1)
-    k_col = torch.tensor([min(k, width) for k in ks], device=dev).unsqueeze(1)
+    k_col = to_device([min(k, width) for k in ks], dev).unsqueeze(1)
     values.masked_fill_(torch.arange(width, device=dev) >= k_col, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         # Probabilities relative to the whole (top-k-renormalised) row, not just the window.
         lse = values.logsumexp(dim=-1)
         if any(nucleus_only):
-            only = torch.tensor(nucleus_only, device=dev)
+            only = to_device(nucleus_only, dev)
             lse = torch.where(only, logits.logsumexp(dim=-1), lse)
         probs = (values - lse.unsqueeze(1)).exp()
         mass = probs.cumsum(dim=-1)
         # top_p = inf for rows without it: float rounding must not cut their tail.
         top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
-        top_p = torch.tensor(top_p, dtype=logits.dtype, device=dev).unsqueeze(1)
+        top_p = to_device(top_p, dev, logits.dtype).unsqueeze(1)
         if width < vocab and any(nucleus_only) and not bool((mass[:, -1:] >= top_p)[only].all()):
             return top_k_top_p(logits, params, force_full=True)
         values.masked_fill_(mass - probs >= top_p, float("-inf"))
@@ -204,4 +203,4 @@ def top_k_top_p(
     keep = [k == vocab and p.top_p >= 1.0 for k, p in zip(ks, params, strict=True)]
     if not any(keep):
         return out
-    return torch.where(torch.tensor(keep, device=dev).unsqueeze(1), logits, out)
+    return torch.where(to_device(keep, dev).unsqueeze(1), logits, out)

@@ -15,6 +15,7 @@ import torch
 
 from conveyor.core.logprobs import TokenLogprobs
 from conveyor.core.sequence import Sequence
+from conveyor.model.host_copy import to_device
 
 # (request, first prompt position it yields, its first row in the batch, number of rows)
 PromptRows = tuple[Sequence, int, int, int]
@@ -36,7 +37,7 @@ def prompt_logprobs(
     rows = torch.cat([torch.arange(r0, r0 + c, device=dev) for _, _, r0, c in groups])
     targets = [t for req, p0, _, c in groups for t in req.prompt_token_ids[p0 : p0 + c]]
     logprobs = model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
-    target = torch.tensor(targets, dtype=torch.long, device=dev).unsqueeze(1)
+    target = to_device(targets, dev, torch.long).unsqueeze(1)
     chosen = logprobs.gather(1, target)
     ranks = (logprobs >= chosen).sum(dim=-1)
     k = min(max(req.sampling_params.prompt_logprobs for req, *_ in groups), logprobs.shape[1])

@@ -30,6 +30,7 @@ import torch
 
 from conveyor.core.logprobs import TokenLogprobs
 from conveyor.core.sequence import Sequence
+from conveyor.model.host_copy import to_device
 from conveyor.model.sampling.logits_processors import (
     apply_logit_bias,
     apply_min_p,
@@ -137,7 +138,7 @@ class Sampler:
         else:
             tokens = self.argmax(logits)
             if random_rows:
-                idx = torch.tensor(random_rows, device=logits.device)
+                idx = to_device(random_rows, logits.device)
                 sub = [requests[i] for i in random_rows]
                 tokens[idx] = self._sample(logits.index_select(0, idx), sub)
 
@@ -149,7 +150,7 @@ class Sampler:
         """Draw one token per row; every row here has temperature > 0."""
         params = [r.sampling_params for r in requests]
         dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+        temps = to_device([p.temperature for p in params], dev, logits.dtype)
         logits = logits / temps.unsqueeze(1)  # a new tensor: the stages below work in place
         if any(p.min_p > 0.0 for p in params):
             apply_min_p(logits, params)
@@ -185,7 +186,7 @@ class Sampler:
         self, raw: torch.Tensor, tokens: torch.Tensor, rows: list[int], nums: list[int]
     ) -> SamplerOutput:
         """Attach TokenLogprobs to `rows`, from the raw logits' log_softmax."""
-        idx = torch.tensor(rows, device=raw.device)
+        idx = to_device(rows, raw.device)
         logprobs = raw.index_select(0, idx).log_softmax(dim=-1)
         sampled = tokens.index_select(0, idx)
         sampled_lp = logprobs.gather(1, sampled.unsqueeze(1))
