@@ -93,7 +93,9 @@ def make_batch(
     return q, cache, meta
 
 
-def kernel_fn(q, cache, meta: AttentionMetadata, scale: float) -> Callable[[], torch.Tensor]:
+def kernel_fn(
+    q, cache, meta: AttentionMetadata, scale: float, tuning: tuple[int, int, int] | None = None
+) -> Callable[[], torch.Tensor]:
     """The paged attention under test: Triton, or the torch reference when Triton can't run."""
     if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         import conveyor.kernels.launchers as kernels
@@ -102,7 +104,7 @@ def kernel_fn(q, cache, meta: AttentionMetadata, scale: float) -> Callable[[], t
             cache, None)  # fmt: skip
         return lambda: kernels.paged_attention(
             q, data, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-            meta.max_query_len, meta.max_seq_len, kv_scales=scales,
+            meta.max_query_len, meta.max_seq_len, kv_scales=scales, tuning=tuning,
         ).view(q.shape[0], -1)  # fmt: skip
     new = q.new_zeros(0)  # every chunk in this benchmark has cached context: k/v unused
     return lambda: torch_paged_attention(q, new, new, cache, meta, scale)
@@ -186,6 +188,42 @@ def run_shape(kind: str, batch: int, context: int, args, device, peak: float) ->
     }
 
 
+def tile_sweep(args, device, peak: float, cases: list | None = None) -> list[dict]:
+    """The kernel's bandwidth at each (TILE_N, num_warps, num_stages) for the target decode
+    shape and a mixed one (CUDA; a variant that does not compile is reported, not fatal).
+    cases: (kind, batch, context, TILE_Ns, warps, stages) tuples in place of those two."""
+    cases = cases or [
+        ("decode", args.sweep_batch, args.sweep_context, (16, 32, 64, 128), (4, 8), (2, 3)),
+        ("mixed", 32, 2048, (16, 32, 64), (4, 8), (2, 3)),
+    ]
+    rows = []
+    for kind, batch, context, tiles, warps, stages in cases:
+        q_lens, seq_lens = [1] * batch, [context] * batch
+        if kind == "mixed":
+            q_lens.append(args.chunk)
+            seq_lens.append(context + args.chunk)
+        q, cache, meta = make_batch(q_lens, seq_lens, args, device)
+        scale = args.head_size**-0.5
+        per_token_head = args.head_size + 4 if args.kv_cache_dtype == "int8" else (
+            args.head_size * q.element_size())  # fmt: skip
+        nbytes = sum(seq_lens) * args.kv_heads * per_token_head * 2 + 2 * q.numel() * 2
+        want = kernel_fn(q, cache, meta, scale)().float()
+        for tuning in [(t, w, s) for t in tiles for w in warps for s in stages]:
+            row: dict = {"kind": kind, "batch": batch, "context": context, "tuning": tuning}
+            try:
+                fn = kernel_fn(q, cache, meta, scale, tuning)
+                row["max_abs_diff"] = (fn().float() - want).abs().max().item()
+                ms = _time(fn, device)
+                row["kernel_ms"] = round(ms, 4)
+                gbps = nbytes / (ms * 1e-3) / 1e9
+                row["bandwidth_GBps"] = round(gbps, 1)
+                row["ratio_to_peak"] = round(gbps * 1e9 / peak, 3) if peak else None
+            except Exception as exc:  # out of shared memory or registers: say so, go on
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
@@ -199,6 +237,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="bfloat16", choices=list(_DTYPES))
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     p.add_argument("--quick", action="store_true", help="one small shape (implied on CPU)")
+    p.add_argument(
+        "--tile-sweep",
+        action="store_true",
+        help="CUDA: also time every (TILE_N, num_warps, num_stages) at --sweep-batch x "
+        "--sweep-context decode and a mixed batch",
+    )
+    p.add_argument("--sweep-batch", type=int, default=64)
+    p.add_argument("--sweep-context", type=int, default=4096)
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
 
@@ -229,6 +275,9 @@ def main(argv: list[str] | None = None) -> dict:
         "block_size": args.block_size,
         "results": results,
     }
+    if args.tile_sweep and device.type == "cuda":
+        with torch.inference_mode():
+            report["tile_sweep"] = tile_sweep(args, device, peak)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

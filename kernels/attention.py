@@ -178,16 +178,17 @@ def _reduce_splits_kernel(
 
 
 def _tiling(group: int, max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps), not yet timed on a GPU: picked by sm_90 ptxas
-    register counts at head size 128 (tests/kernel_compile.py). Decode: 16 rows (tl.dot's
-    minimum) x 16 keys, 96 registers (32 keys: 239). With prefill chunks: 64 x 32 on 8 warps
-    so each K/V tile serves more tokens (fp32 would spill: 32 x 16)."""
+    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps), timed on an H200 (benchmarks/attention.py
+    --tile-sweep, Llama-8B heads, bf16, docs/kernels.md). Decode: 16 rows (tl.dot's minimum)
+    x 64 keys on 4 warps, 87 % of the HBM peak at batch 64 x 4k context (16 keys: 53 %; 8 warps
+    or 128 keys: slower). With prefill chunks: 64 x 64 on 4 warps (1.6x the 64 x 32 on 8 warps
+    first picked from register counts). fp32 keeps 32 x 16 (wider tiles spill)."""
     if max_query_len == 1:
-        rows, tile_n, warps = 16, 16, 4
+        rows, tile_n, warps = 16, 64, 4
     elif dtype == torch.float32:
         rows, tile_n, warps = 32, 16, 4
     else:
-        rows, tile_n, warps = 64, 32, 8
+        rows, tile_n, warps = 64, 64, 4
     block_m = max(rows, triton.next_power_of_2(group))
     return block_m, block_m // group, tile_n, warps
 
@@ -233,6 +234,7 @@ def paged_attention(
     kv_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
     window: int | None = None,
+    tuning: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for one mixed prefill/decode varlen batch (K/V already cached).
 
@@ -247,6 +249,8 @@ def paged_attention(
         kv_scales: fp32 [2, num_blocks, block_size, Hkv] when kv_cache is int8.
         num_splits: key splits per query block (a power of 2 <= 16; None: by grid size).
         window: sliding window (position p sees keys p - window + 1 .. p); None: all keys.
+        tuning: (TILE_N, num_warps, num_stages) in place of `_tiling`'s and the default 2
+            stages (benchmarks/attention.py --tile-sweep); None: the defaults.
     Returns:
         [T, Hq, D] in q's dtype.
     """
@@ -275,6 +279,10 @@ def paged_attention(
 
     group = hq // hkv
     block_m, block_q, tile_n, num_warps = _tiling(group, max_query_len, q.dtype)
+    num_stages = 2
+    if tuning is not None:
+        tile_n, num_warps, num_stages = tuning
+        check(tile_n in (16, 32, 64, 128, 256), f"TILE_N must be a power of 2 in 16..256: {tile_n}")
     num_q_blocks = t // block_q + b
     if num_splits is None:  # keys one query block reads: at most window + its tokens
         keys = max_seq_len if window is None else min(max_seq_len, window + block_q)
@@ -304,7 +312,7 @@ def paged_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_splits,
         QUANT=quant, COMPUTE=compute, WINDOW=window or 0,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_splits_kernel[(t, hq)](

@@ -1,4 +1,10 @@
-"""The Triton kernels compile for an H100/H200 (sm_90) without spilling, checked without a GPU.
+"""The Triton kernels compile for an H100/H200 (sm_90) with bounded register spills, checked
+without a GPU.
+
+The attention kernel's tilings were timed on an H200 (docs/kernels.md): the fastest decode and
+mixed tilings spill a little (decode 16 x 64 on 4 warps ran at 87 % of the HBM peak against
+75 % for the best tiling that does not spill), so the attention kernel may spill up to 1 KiB
+per thread (ptxas' count; it lands in L1) and the small kernels not at all.
 
 tests/kernel_compile.py runs in a subprocess with TRITON_INTERPRET unset (this session's
 kernels are interpreted): it intercepts each launcher's kernel call and compiles the exact
@@ -16,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_kernels_compile_for_sm90_without_register_spills():
+def test_kernels_compile_for_sm90_with_bounded_register_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "kernel_compile.py"), "--arch", "90"],
@@ -27,5 +33,6 @@ def test_kernels_compile_for_sm90_without_register_spills():
     kernels = {c["kernel"] for c in configs}
     assert kernels == {"_paged_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel"}
     assert len(configs) >= 10
-    spilling = [c for c in configs if c["spill_bytes"]]
+    budget = {"_paged_attention_kernel": 1024}
+    spilling = [c for c in configs if c["spill_bytes"] > budget.get(c["kernel"], 0)]
     assert not spilling, spilling
