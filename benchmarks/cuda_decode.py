@@ -3,8 +3,10 @@ CUDA graphs, and where a decode step's time goes.
 
 A random-weight bf16 checkpoint at a real model's shape (--shape, default Qwen2.5-0.5B's) is
 written once, with a word-level tokenizer over the whole vocabulary so that every sampled id
-detokenizes. Two engines share the GPU: `enforce_eager=True` (every step eager) and the
-default (decode steps replay CUDA graphs, model/decode_graphs.py). For each stream count S,
+detokenizes. The engines (--sides) share the GPU: `eager` (enforce_eager=True: every step
+eager), `graphs` (the default: decode steps replay CUDA graphs, model/decode_graphs.py) and
+`graphs-unfused` (graphs captured over the torch norms, rotary and activation instead of
+conveyor.kernels.fused: what the fused kernels save). For each stream count S,
 S requests of --prompt-len fresh random token ids (a new draw every repeat and every side, so
 the prefix cache never hits) each generate --output-len tokens (ignore_eos) in one
 LLM.generate; the sides alternate, --repeats times, and each side's best repeat counts.
@@ -89,6 +91,31 @@ def write_checkpoint(shape: str, out: Path, device: str) -> Path:
     model.save_pretrained(str(out))
     fast.save_pretrained(str(out))
     return out
+
+
+SIDES = ("eager", "graphs", "graphs-unfused")
+
+
+def make_llm(side: str, model: Path, args) -> LLM:
+    llm = LLM(
+        str(model),
+        device=args.device,
+        dtype="bfloat16",
+        max_num_seqs=max(args.streams),
+        max_model_len=args.max_model_len,
+        kv_cache_space_gb=args.kv_cache_space_gb,
+        enforce_eager=side != "graphs",
+    )
+    if side == "graphs-unfused":  # the torch element-wise ops, then graphs over them
+        from conveyor.model.decode_graphs import DecodeGraphs
+        from conveyor.model.models.layers import use_kernels
+
+        r = llm.llm_engine.runner
+        use_kernels(r.model, None)
+        r.graphs = DecodeGraphs(
+            r.model, r.kv_caches, max(args.streams), r.max_model_len, r.block_size, r.device
+        )
+    return llm
 
 
 class StepTimer:
@@ -191,7 +218,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-space-gb", type=float, default=8.0, help="each side's")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--sides", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"])
+    p.add_argument(
+        "--sides", nargs="+", default=["eager", "graphs"], choices=list(SIDES), help="engines"
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -211,15 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timers: dict[str, StepTimer] = {}
     for side in args.sides:
         t0 = time.perf_counter()
-        llms[side] = LLM(
-            str(model),
-            device=args.device,
-            dtype="bfloat16",
-            max_num_seqs=max(args.streams),
-            max_model_len=args.max_model_len,
-            kv_cache_space_gb=args.kv_cache_space_gb,
-            enforce_eager=side == "eager",
-        )
+        llms[side] = make_llm(side, model, args)
         runner = llms[side].llm_engine.runner
         report["sides"][side] = {
             "start_s": round(time.perf_counter() - t0, 2),
@@ -247,12 +268,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res = {"side": side, "streams": streams, "output_tok_s": round(row.pop("tok_s"), 1)}
             res["all_tok_s"] = every[side]
             res.update({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
-            if side == "graphs" and args.device == "cuda":
+            if side.startswith("graphs") and args.device == "cuda":
                 res["graph_replay_ms"] = graph_replay_ms(llms[side], streams)
             report["results"].append(res)
-        if {"eager", "graphs"} <= best.keys():
-            ratio = max(every["graphs"]) / max(every["eager"])
-            report["results"].append({"streams": streams, "graphs_over_eager": round(ratio, 3)})
+        ratios = {}
+        for other in ("eager", "graphs-unfused"):
+            if {"graphs", other} <= best.keys():
+                ratios[f"graphs_over_{other}"] = round(max(every["graphs"]) / max(every[other]), 3)
+        if ratios:
+            report["results"].append({"streams": streams, **ratios})
         if args.out:
             args.out.write_text(json.dumps(report, indent=1))
     for llm in llms.values():

@@ -6,11 +6,13 @@
 #
 # 1. The tests compiled on CUDA: with TRITON_INTERPRET unset and a GPU present, the
 #    `interpreter` tests run the kernels on CUDA against the torch reference (also on CUDA),
-#    plus end-to-end LLM(attention_backend="triton") greedy parity, int8 included, and
+#    plus end-to-end LLM(attention_backend="triton") greedy parity, int8 included, the fused
+#    norm / rotary / activation kernels (tests/test_fused_kernels.py), and
 #    tests/test_decode_graphs.py: CUDA graphs captured and replayed against enforce_eager, and
 #    the KV cache sized from free GPU memory.
 # 2. benchmarks/cuda_decode.py: output tok/s at 1, 16, 64, 256 streams, eager against CUDA
-#    graphs, and the split of a decode step (Qwen2.5-0.5B's shape, bf16, random weights).
+#    graphs (with and without conveyor.kernels.fused), and the split of a decode step
+#    (Qwen2.5-0.5B's shape, bf16, random weights).
 # 3. benchmarks/attention.py: decode and mixed batches, bf16, Llama-8B heads; bandwidth, ratio
 #    to peak, speedup over SDPA on gathered K/V; the tile sweep; then a shorter int8 sweep.
 # Results go to $OUT (the device runner's output folder) or benchmarks/results/.
@@ -34,16 +36,21 @@ stage() {  # stage NAME SECONDS COMMAND...
     echo "=== $name: rc=$? in $((SECONDS - t0))s"
 }
 stage tests "${TESTS_S:-170}" $PY -m pytest -q -p no:cacheprovider -rs \
-    tests/test_decode_graphs.py tests/test_kernels.py tests/test_triton_backend.py \
+    tests/test_decode_graphs.py tests/test_fused_kernels.py tests/test_kernels.py \
+    tests/test_triton_backend.py \
     tests/test_sliding_window.py::test_triton_kernel_applies_the_window \
     tests/test_attention_benchmark.py 2>&1 | tee "$out/tests_cuda.txt"
-stage cuda_decode "${DECODE_S:-170}" $PY benchmarks/cuda_decode.py --out "$out/cuda_decode.json"
+stage cuda_decode "${DECODE_S:-170}" $PY benchmarks/cuda_decode.py \
+    --sides eager graphs graphs-unfused --out "$out/cuda_decode.json"
 [ -s "$out/cuda_decode.json" ] || stage cuda_decode_eager "${DECODE_S:-170}" $PY \
     benchmarks/cuda_decode.py --sides eager --streams 1 64 --repeats 1 --out "$out/cuda_decode.json"
+# ATTENTION_ARGS / INT8_ARGS: e.g. "--tile-sweep" (every tiling at batch 64 x 4k and a mixed
+# batch), or smaller --batches / --contexts lists.
 stage attention_bf16 "${ATTENTION_S:-100}" $PY benchmarks/attention.py --contexts 512 2048 4096 8192 \
-    --tile-sweep --out "$out/attention_bf16.json" > /dev/null
+    ${ATTENTION_ARGS:-} --out "$out/attention_bf16.json" 2>&1 | tail -3
 stage attention_int8 "${INT8_S:-40}" $PY benchmarks/attention.py --kv-cache-dtype int8 \
-    --batches 32 128 --contexts 2048 8192 --mixed-batches 32 --out "$out/attention_int8.json" > /dev/null
+    --batches 32 128 --contexts 2048 8192 --mixed-batches 32 ${INT8_ARGS:-} \
+    --out "$out/attention_int8.json" 2>&1 | tail -3
 $PY - "$out" <<'PYEOF'
 import json, os, sys
 for name in ("attention_bf16.json", "attention_int8.json"):

@@ -71,7 +71,7 @@ def _compile(fn, args, kwargs, arch: int) -> dict:
             capture_output=True, text=True, check=True,
         ).stderr  # fmt: skip
     shown = ("GROUP", "HEAD_DIM", "BLOCK_M", "TILE_N", "NUM_SPLITS", "QUANT", "BLOCK_SIZE")
-    shown += ("WINDOW",)
+    shown += ("WINDOW", "BLOCK", "HAS_RES", "HALF")
     return {
         "kernel": fn.__name__,
         **{k: v for k, v in consts.items() if k in shown},
@@ -103,12 +103,16 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     import conveyor.kernels.attention as attention
+    import conveyor.kernels.fused as fused
     import conveyor.kernels.kv_write as kv_write
 
     kernels = [
         (attention, "_paged_attention_kernel"),
         (attention, "_reduce_splits_kernel"),
         (kv_write, "_write_kv_kernel"),
+        (fused, "_rms_norm_kernel"),
+        (fused, "_rotary_kernel"),
+        (fused, "_silu_mul_kernel"),
     ]
     for module, name in kernels:
         setattr(module, name, _Capture(getattr(module, name)))
@@ -126,6 +130,15 @@ def main() -> int:
         )
         kv_write.write_kv(q[:, :hkv], q[:, :hkv], cache, torch.zeros(len(q), dtype=torch.int64),
                           scales)  # fmt: skip
+    for dtype in (torch.bfloat16, torch.float32):  # Qwen2.5-0.5B's widths
+        x, w = torch.zeros(3, 896, dtype=dtype), torch.ones(896, dtype=dtype)
+        fused.rms_norm(x, w, 1e-6)
+        fused.add_rms_norm_(x, x.clone(), w, 1e-6)
+        heads = torch.zeros(3, 18, 64, dtype=dtype)
+        fused.rotary_step(torch.zeros(3, dtype=torch.long), torch.zeros(64, 64, dtype=dtype))(
+            heads[:, :16]
+        )
+        fused.silu_mul(torch.zeros(3, 2 * 4864, dtype=dtype))
     seen = set()
     for module, name in kernels:
         capture = getattr(module, name)

@@ -22,7 +22,7 @@ from conveyor.model.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    use_cpu_kernels,
+    use_kernels,
 )
 
 CPU = torch.device("cpu")
@@ -236,7 +236,7 @@ def test_fused_rms_norm_matches_torch(kernels, rows):
     with torch.no_grad():
         fused.weight.copy_(torch.randn(768, generator=gen))
         plain.weight.copy_(fused.weight)
-    use_cpu_kernels(fused, kernels)
+    use_kernels(fused, kernels)
     want_x, want_sum = plain(x, residual)
     got_x, got_sum = fused(x.clone(), residual.clone())
     torch.testing.assert_close(got_sum, want_sum, atol=0, rtol=0)  # the add is exact
@@ -249,7 +249,7 @@ def test_fused_rms_norm_matches_torch(kernels, rows):
 
 def test_norms_the_kernel_cannot_take_stay_in_torch(kernels):
     norm = RMSNorm(16)
-    use_cpu_kernels(norm, kernels)
+    use_kernels(norm, kernels)
     heads = torch.randn(3, 4, 16)  # Qwen3's per-head q/k norm: 3-d
     torch.testing.assert_close(norm(heads), RMSNorm(16)(heads), atol=0, rtol=0)
     half = torch.randn(3, 16, dtype=torch.bfloat16)
@@ -280,7 +280,7 @@ def test_rotary_in_place_matches_apply_rotary(kernels):
     qk = qkv[:, : 10 * 64].view(6, 10, 64)  # q and k heads of a qkv row, v left alone
     cos, sin = emb(positions)
     want, v_before = apply_rotary(qk, cos, sin), qkv[:, 10 * 64 :].clone()
-    use_cpu_kernels(emb, kernels)
+    use_kernels(emb, kernels)
     got = emb.step(positions)(qk)
     assert got.data_ptr() == qkv.data_ptr()  # rotated where the projection wrote it
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
@@ -303,7 +303,7 @@ def test_silu_mul_matches_torch(kernels, rows, inter):
     gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])[: min(3, inter)]  # saturated, zero
     fused, plain = GatedMLP(16, inter), GatedMLP(16, inter)
     plain.load_state_dict(fused.state_dict())
-    use_cpu_kernels(fused, kernels)
+    use_kernels(fused, kernels)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
     x = torch.randn(rows, 16, generator=gen)

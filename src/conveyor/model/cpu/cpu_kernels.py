@@ -198,6 +198,11 @@ class CpuKernels:
             torch.get_num_threads(),
         )
 
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether the norm, rotary and activation kernels take `x`: float32 on the CPU (the
+        layers ask before each call; models/layers.py)."""
+        return x.dtype == torch.float32 and x.device.type == "cpu"
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of gate_up = [gate | up] ([N, 2 I]) as a new [N, I] tensor.
 

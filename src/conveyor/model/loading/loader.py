@@ -61,7 +61,7 @@ from conveyor.model.loading.gguf_loader import (
 from conveyor.model.loading.model_config import ModelConfig
 from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_tensors
 from conveyor.model.models import FAMILIES
-from conveyor.model.models.layers import use_cpu_kernels
+from conveyor.model.models.layers import use_kernels
 from conveyor.model.models.llama import LlamaForCausalLM
 from conveyor.parallel.sharding import Shard
 
@@ -289,19 +289,33 @@ def load_weights(
             pack_linears(model, linear_factory(s.linear_backend, s.weight_dtype))
     logger.info("Weights in memory: %.1f MiB.", weight_bytes(model) / 2**20)
     # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
-    # the rotary embedding and the sampler's argmax; attention_backend "torch" keeps the
-    # forward and the sampler in torch.
+    # the rotary embedding and the sampler's argmax; on CUDA the Triton attention backend
+    # comes with Triton kernels for the same norms, rotary and activation
+    # (conveyor.kernels.fused). attention_backend "torch" keeps the forward and the sampler in
+    # torch.
+    if s.device.type == "cuda" and _uses_triton(model):
+        import conveyor.kernels.fused as fused
+
+        use_kernels(model, fused)
+        logger.info("Norms, rotary and activation: Triton kernels (conveyor.kernels.fused).")
+        return model, None
     if s.device.type != "cpu" or s.attention_backend not in ("auto", "cpu"):
         return model, None
     kernels = cpu_kernels.load()
     if kernels is None or s.dtype != torch.float32:
         return model, None
-    use_cpu_kernels(model, kernels)
+    use_kernels(model, kernels)
     if hasattr(model, "fused_layers"):
         model.fused_layers = FusedLayers.build(model, kernels)
         if model.fused_layers is not None:
             logger.info("Decoder layers: one C call a step (csrc/decoder_layers.c).")
     return model, kernels
+
+
+def _uses_triton(model: nn.Module) -> bool:
+    """Whether the model's attention runs on conveyor.kernels (the Triton backend)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and layers[0].self_attn.backend.name == "triton"
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -25,7 +25,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        # conveyor.model.cpu.cpu_kernels.CpuKernels when use_cpu_kernels() enabled the C kernel.
+        # The CPU's C kernels (cpu/cpu_kernels.py) or CUDA's Triton ones (conveyor.kernels.fused)
+        # once use_kernels() put the model on them; each call asks `kernels.accepts(x)`.
         self.kernels: Any = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,14 +41,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With the C kernel (fp32 [N, H] rows), `norm(x, residual)` works in place: the
+        """With the kernels (rows of [N, H] they accept), `norm(x, residual)` works in place: the
         sum goes into `residual` and the normalised sum into `x` (both fresh activations the
         decoder does not read again)."""
         k = self.kernels
-        if k is not None and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1:
+        if k is not None and x.dim() == 2 and x.stride(1) == 1 and k.accepts(x):
             if residual is None:
                 return k.rms_norm(x, self.weight, self.eps)
-            if residual.dtype == torch.float32 and residual.stride(1) == 1:
+            if residual.dtype == x.dtype and residual.stride(1) == 1:
                 k.add_rms_norm_(x, residual, self.weight, self.eps)
                 return x, residual
         if residual is None:
@@ -56,10 +57,11 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
-def use_cpu_kernels(model: nn.Module, kernels: Any) -> int:
+def use_kernels(model: nn.Module, kernels: Any) -> int:
     """Run `model`'s RMSNorms (residual add fused in), rotary embedding and gated-MLP
-    activation through the C kernels (conveyor.model.cpu.cpu_kernels) wherever their inputs
-    allow (fp32; others keep torch). Returns how many modules it switched."""
+    activation through `kernels` wherever `kernels.accepts` their input (others keep torch):
+    the CPU's C kernels (conveyor.model.cpu.cpu_kernels, fp32) or CUDA's Triton ones
+    (conveyor.kernels.fused). Returns how many modules it switched."""
     mods = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, GatedMLP))]
     for m in mods:
         m.kernels = kernels
@@ -217,7 +219,7 @@ class RotaryEmbedding(nn.Module):
         scale = rope_attention_factor(scaling)
         cache = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.kernels: Any = None  # CpuKernels once use_cpu_kernels() enabled the C kernel
+        self.kernels: Any = None  # see RMSNorm.kernels
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Look up cos, sin for positions [T]; each comes back as [T, 1, head_dim // 2]."""
@@ -231,8 +233,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class RopeStep:
-    """Rotates [T, H, D] heads by one step's positions: in place through the C kernel
-    (conveyor.model.cpu.cpu_kernels) when use_cpu_kernels() enabled it and x is fp32 with
+    """Rotates [T, H, D] heads by one step's positions: in place through the kernels
+    (RMSNorm.kernels) when use_kernels() enabled them and they accept x, with
     contiguous heads, else with apply_rotary (cos/sin looked up once, on first use)."""
 
     def __init__(self, emb: RotaryEmbedding, positions: torch.Tensor) -> None:
@@ -243,12 +245,7 @@ class RopeStep:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k = self.emb.kernels
-        if (
-            k is not None
-            and x.dtype == torch.float32
-            and x.stride(2) == 1
-            and x.stride(1) == x.shape[2]
-        ):
+        if k is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and k.accepts(x):
             if self._rotate is None:
                 self._rotate = k.rotary_step(self.positions, self.emb.cos_sin_cache)
             self._rotate(x)
@@ -274,13 +271,12 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.kernels: Any = None  # CpuKernels once use_cpu_kernels() enabled the C kernel
+        self.kernels: Any = None  # see RMSNorm.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         k = self.kernels
-        fp32_rows = gate_up.dtype == torch.float32 and gate_up.dim() == 2
-        if k is not None and fp32_rows and gate_up.stride(1) == 1:
+        if k is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1 and k.accepts(gate_up):
             return self.down_proj(k.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
