@@ -177,14 +177,18 @@ def _reduce_splits_kernel(
              mask=offs_d < HEAD_DIM)  # fmt: skip
 
 
-def _tiling(group: int, max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _tiling(
+    group: int, max_query_len: int, dtype: torch.dtype, quant: bool = False
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_Q, TILE_N, num_warps), timed on an H200 (benchmarks/attention.py
     --tile-sweep, Llama-8B heads, bf16, docs/kernels.md). Decode: 16 rows (tl.dot's minimum)
     x 64 keys on 4 warps, 87 % of the HBM peak at batch 64 x 4k context (16 keys: 53 %; 8 warps
-    or 128 keys: slower). With prefill chunks: 64 x 64 on 4 warps (1.6x the 64 x 32 on 8 warps
-    first picked from register counts). fp32 keeps 32 x 16 (wider tiles spill)."""
+    or 128 keys: slower); an int8 cache 16 x 128 (37 % of the peak counted in int8 bytes,
+    against 28 % at 64 keys: the dequantisation wants longer tiles). With prefill chunks:
+    64 x 64 on 4 warps (1.6x the 64 x 32 on 8 warps first picked from register counts). fp32
+    keeps 32 x 16 (wider tiles spill)."""
     if max_query_len == 1:
-        rows, tile_n, warps = 16, 64, 4
+        rows, tile_n, warps = 16, 128 if quant else 64, 4
     elif dtype == torch.float32:
         rows, tile_n, warps = 32, 16, 4
     else:
@@ -278,7 +282,7 @@ def paged_attention(
     check(window is None or window >= 1, f"window must be >= 1, got {window}.")
 
     group = hq // hkv
-    block_m, block_q, tile_n, num_warps = _tiling(group, max_query_len, q.dtype)
+    block_m, block_q, tile_n, num_warps = _tiling(group, max_query_len, q.dtype, quant)
     num_stages = 2
     if tuning is not None:
         tile_n, num_warps, num_stages = tuning
