@@ -186,6 +186,8 @@ class BlockManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}.")
         rid = request.request_id
         table = self.block_tables.get(rid)
+        if table is not None and not computed_blocks:
+            return self._grow(request, table, request.num_computed_tokens + num_new_tokens)
         hits = computed_blocks or []
         if hits and table is not None:
             raise ValueError(f"request {rid!r} already holds blocks; it cannot take cache hits.")
@@ -215,6 +217,25 @@ class BlockManager:
             table.append(block_id)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, table, (num_computed + num_new_tokens))
+        return True
+
+    def _grow(self, request: Sequence, table: list[int], num_tokens: int) -> bool:
+        """`allocate_slots` for a request that holds blocks and takes no hits (every running
+        request, every step): extend `table` to cover `num_tokens` tokens, all-or-nothing.
+        A decode step usually needs no new block at all."""
+        num_missing = -(-num_tokens // self.block_size) - len(table)
+        if num_missing > 0:
+            if num_missing > len(self.free_block_queue):
+                return False
+            ref_counts = self.ref_counts
+            for _ in range(num_missing):
+                block_id = self._take_free_block()
+                ref_counts[block_id] += 1
+                table.append(block_id)
+        if self.enable_prefix_caching:  # a block that this step fills: register it
+            num_registered = self._num_registered.get(request.request_id, 0)
+            if num_tokens // self.block_size > num_registered:
+                self._register_full_blocks(request, table, num_tokens)
         return True
 
     def _take_free_block(self) -> int:

@@ -31,7 +31,15 @@ def num_tokens_to_schedule(req: Sequence, num_computed: int, budget: int) -> int
         prompt_logprobs still has prompt rows to compute (the row of its last prompt token
         predicts the first output: that one is the sampler's).
     """
-    n = min(req.num_tokens - num_computed, budget)
-    if req.sampling_params.prompt_logprobs is not None and num_computed < req.num_prompt_tokens - 1:
-        n = min(n, PROMPT_LOGPROBS_CHUNK)
+    # (Called for every running request every step: lens and comparisons, no properties.)
+    num_prompt = len(req.prompt_token_ids)
+    n = num_prompt + len(req.output_token_ids) - num_computed
+    if n > budget:
+        n = budget
+    if (
+        n > PROMPT_LOGPROBS_CHUNK
+        and num_computed < num_prompt - 1
+        and req.sampling_params.prompt_logprobs is not None
+    ):
+        n = PROMPT_LOGPROBS_CHUNK
     return n

@@ -43,6 +43,10 @@ from conveyor.core.waiting_queue import WaitingQueue
 if TYPE_CHECKING:  # annotations only: core/ does not import engine/ at run time
     from conveyor.engine.config import EngineConfig
 
+# For the per-request loops: a global is read far faster than an enum class's member
+# (EnumType's attribute hook costs ~0.2 us a read in CPython 3.11).
+_RUNNING = SequenceStatus.RUNNING
+
 
 class Scheduler:
     """Decides, step by step, which requests run and how many tokens each computes.
@@ -146,6 +150,7 @@ class Scheduler:
         num_policy_preemptions = len(preempted_ids)
 
         # 1. Running requests, in admission order.
+        allocate_slots = self.block_manager.allocate_slots
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -154,7 +159,7 @@ class Scheduler:
                 i += 1
                 continue
             preempted_self = False
-            while not self.block_manager.allocate_slots(req, n):
+            while not allocate_slots(req, n):
                 victim = self.policy.select_victim(running)
                 vi = len(running) - 1 if running[-1] is victim else running.index(victim)
                 self._preempt(victim, vi, preempted_ids)
@@ -298,7 +303,7 @@ class Scheduler:
         any_finished = False
         num_scheduled = output.num_scheduled_tokens
         for req in output.scheduled:
-            if req.status is not SequenceStatus.RUNNING:
+            if req.status is not _RUNNING:
                 continue
             rid = req.request_id
             req.num_computed_tokens += num_scheduled[rid]
@@ -315,7 +320,7 @@ class Scheduler:
                 self._finish(req, status)
                 any_finished = True
         if any_finished:
-            self.running[:] = [r for r in self.running if r.status is SequenceStatus.RUNNING]
+            self.running[:] = [r for r in self.running if r.status is _RUNNING]
         return new_token_reqs
 
     def finish_requests(self, request_ids: Iterable[str], status: SequenceStatus) -> list[Sequence]:
@@ -338,7 +343,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:  # Unknown, or already finished.
                 continue
-            if req.status is SequenceStatus.RUNNING:
+            if req.status is _RUNNING:
                 any_running = True
             else:
                 self.waiting.remove(req)
@@ -347,7 +352,7 @@ class Scheduler:
             finished.append(req)
         # One filtering pass over running, not one O(n) removal per request.
         if any_running:
-            self.running[:] = [r for r in self.running if r.status is SequenceStatus.RUNNING]
+            self.running[:] = [r for r in self.running if r.status is _RUNNING]
         return finished
 
     def _finish(self, req: Sequence, status: SequenceStatus) -> None:

@@ -33,12 +33,16 @@ class SequenceStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED_STOPPED
+        return self >= _FIRST_FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
+
+# Module constants for the per-step paths: reading a member off the enum class goes through
+# EnumType.__getattr__'s slow attribute hook (~0.2 us in CPython 3.11), a global does not.
+_FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED
 
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -158,7 +162,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= _FIRST_FINISHED
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

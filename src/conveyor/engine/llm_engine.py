@@ -300,10 +300,13 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched_out, tokens)  # skips failed ones
         outputs += self._finish_embeddings(embeddings)
 
+        # The per-token loop: runs for every decoding request every step (hence the locals).
         touched: dict[str, RequestState] = {}
         decode = self.tokenizer.id_to_token_text
+        seqs, parents = self._seqs, self._parents
         for req in updated:
-            seq = self._seqs.get(req.request_id)
+            rid = req.request_id
+            seq = seqs.get(rid)
             if seq is None:  # its request failed through a sibling sequence in this loop
                 continue
             try:
@@ -312,13 +315,9 @@ class LLMEngine:
                 if req.grammar is not None:
                     req.grammar.sync(req.output_token_ids)
                     if req.grammar.terminated:  # the constraint is complete: stop there
-                        self.scheduler.finish_requests(
-                            [req.request_id], SequenceStatus.FINISHED_STOPPED
-                        )
-                if seq.update(tokens[req.request_id], logprobs[req.request_id], decode):
-                    self.scheduler.finish_requests(
-                        [req.request_id], SequenceStatus.FINISHED_STOPPED
-                    )
+                        self.scheduler.finish_requests([rid], SequenceStatus.FINISHED_STOPPED)
+                if seq.update(tokens[rid], logprobs[rid], decode):
+                    self.scheduler.finish_requests([rid], SequenceStatus.FINISHED_STOPPED)
             except GrammarUnsatisfiableError as exc:  # a dead end of the request's constraint
                 touched.pop(seq.parent_id, None)
                 outputs.append(self._reject(seq.parent_id, exc, "structured_outputs"))
@@ -327,12 +326,13 @@ class LLMEngine:
                 touched.pop(seq.parent_id, None)
                 outputs.append(self._fail(seq.parent_id, exc))
                 continue
-            touched[seq.parent_id] = self._parents[seq.parent_id]
+            touched[seq.parent_id] = parents[seq.parent_id]
         now = time.monotonic()
         self.num_generation_tokens += len(updated)
         for parent in touched.values():
-            if parent.metrics.first_token_time is None:
-                parent.metrics.first_token_time = now
+            metrics = parent.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
                 self.num_prompt_tokens += len(parent.prompt_token_ids)
             if parent.finished:
                 parent.metrics.finished_time = now

@@ -303,7 +303,7 @@ class IncrementalDetokenizer:
         Returns:
             The matched stop string (the request should finish), or None.
         """
-        if self._finished or self.stopped:
+        if self._finished or self.stop_string is not None:
             return None
         new = list(new_token_ids)
         self.num_output_tokens += len(new)
@@ -314,6 +314,8 @@ class IncrementalDetokenizer:
             chunk = self._step(token_id)
             if chunk:
                 self._text += chunk
+        if not self.stop_strings:  # (what _check_stop starts with, without the call)
+            return None
         return self._check_stop(before)
 
     def flush(self) -> None:
@@ -343,7 +345,7 @@ class IncrementalDetokenizer:
         if finished:
             self.flush()
         end = len(self._text)
-        if not (finished or self.stopped):
+        if not (finished or self.stop_string is not None):
             end -= self._hold
         if end <= self._emitted:
             return ""
