@@ -9,7 +9,8 @@
 #    plus end-to-end LLM(attention_backend="triton") greedy parity, int8 included, the fused
 #    norm / rotary / activation kernels (tests/test_fused_kernels.py), and
 #    tests/test_decode_graphs.py: CUDA graphs captured and replayed against enforce_eager, and
-#    the KV cache sized from free GPU memory.
+#    the KV cache sized from free GPU memory; tests/test_cuda_serve.py: `conveyor serve` as
+#    the cuda Docker image runs it (needs fastapi, uvicorn and pydantic importable).
 # 2. benchmarks/cuda_decode.py: output tok/s at 1, 16, 64, 256 streams, eager against CUDA
 #    graphs (with and without conveyor.kernels.fused), and the split of a decode step
 #    (Qwen2.5-0.5B's shape, bf16, random weights).
@@ -37,7 +38,7 @@ stage() {  # stage NAME SECONDS COMMAND...
 }
 stage tests "${TESTS_S:-170}" $PY -m pytest -q -p no:cacheprovider -rs \
     tests/test_decode_graphs.py tests/test_fused_kernels.py tests/test_kernels.py \
-    tests/test_triton_backend.py \
+    tests/test_triton_backend.py tests/test_cuda_serve.py \
     tests/test_sliding_window.py::test_triton_kernel_applies_the_window \
     tests/test_attention_benchmark.py 2>&1 | tee "$out/tests_cuda.txt"
 stage cuda_decode "${DECODE_S:-170}" $PY benchmarks/cuda_decode.py \
