@@ -42,7 +42,7 @@ stage tests "${TESTS_S:-170}" $PY -m pytest -q -p no:cacheprovider -rs \
     tests/test_sliding_window.py::test_triton_kernel_applies_the_window \
     tests/test_attention_benchmark.py 2>&1 | tee "$out/tests_cuda.txt"
 stage cuda_decode "${DECODE_S:-170}" $PY benchmarks/cuda_decode.py \
-    --sides eager graphs graphs-unfused --out "$out/cuda_decode.json"
+    ${DECODE_ARGS:---sides eager graphs graphs-unfused} --out "$out/cuda_decode.json"
 [ -s "$out/cuda_decode.json" ] || stage cuda_decode_eager "${DECODE_S:-170}" $PY \
     benchmarks/cuda_decode.py --sides eager --streams 1 64 --repeats 1 --out "$out/cuda_decode.json"
 # ATTENTION_ARGS / INT8_ARGS: e.g. "--tile-sweep" (every tiling at batch 64 x 4k and a mixed
