@@ -16,7 +16,9 @@
 #    (Qwen2.5-0.5B's shape, bf16, random weights).
 # 3. benchmarks/attention.py: decode and mixed batches, bf16, Llama-8B heads; bandwidth, ratio
 #    to peak, speedup over SDPA on gathered K/V; the tile sweep; then a shorter int8 sweep.
-# Results go to $OUT (the device runner's output folder) or benchmarks/results/.
+# Results go to $OUT (the device runner's output folder) or benchmarks/results/. The package
+# must import there: on a bare CUDA image carry the missing wheels (gguf, fastapi, uvicorn,
+# pydantic, httptools, ...) and put them on PYTHONPATH first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET
