@@ -155,23 +155,29 @@ def sdpa_fns(q, cache, meta: AttentionMetadata, scale: float):
     return (lambda: attend(gathered)), (lambda: attend(gather()))
 
 
-def run_shape(kind: str, batch: int, context: int, args, device, peak: float) -> dict:
+def shape_batch(kind: str, batch: int, context: int, args, device):
+    """(q, cache, meta, bytes attention must move at least) for `batch` decodes at `context`
+    (plus, mixed, one --chunk prefill chunk on top of a context)."""
     q_lens, seq_lens = [1] * batch, [context] * batch
     if kind == "mixed":
         q_lens.append(args.chunk)
         seq_lens.append(context + args.chunk)
     q, cache, meta = make_batch(q_lens, seq_lens, args, device)
+    per_token_head = args.head_size + 4 if args.kv_cache_dtype == "int8" else (
+        args.head_size * q.element_size())  # fmt: skip
+    kv_bytes = sum(seq_lens) * args.kv_heads * per_token_head * 2
+    return q, cache, meta, kv_bytes + 2 * q.numel() * q.element_size()
+
+
+def run_shape(kind: str, batch: int, context: int, args, device, peak: float) -> dict:
+    q, cache, meta, nbytes = shape_batch(kind, batch, context, args, device)
     scale = args.head_size**-0.5
     kernel = kernel_fn(q, cache, meta, scale)
     sdpa, gather_sdpa = sdpa_fns(q, cache, meta, scale)
     err = (kernel().float() - sdpa().float()).abs().max().item()
     ms = _time(kernel, device)
     ms_sdpa, ms_gather = _time(sdpa, device), _time(gather_sdpa, device)
-    per_token_head = args.head_size + 4 if args.kv_cache_dtype == "int8" else (
-        args.head_size * q.element_size())  # fmt: skip
-    kv_bytes = sum(seq_lens) * args.kv_heads * per_token_head * 2
-    io_bytes = 2 * q.numel() * q.element_size()
-    gbps = (kv_bytes + io_bytes) / (ms * 1e-3) / 1e9
+    gbps = nbytes / (ms * 1e-3) / 1e9
     return {
         "kind": kind,
         "batch": batch,
@@ -198,15 +204,8 @@ def tile_sweep(args, device, peak: float, cases: list | None = None) -> list[dic
     ]
     rows = []
     for kind, batch, context, tiles, warps, stages in cases:
-        q_lens, seq_lens = [1] * batch, [context] * batch
-        if kind == "mixed":
-            q_lens.append(args.chunk)
-            seq_lens.append(context + args.chunk)
-        q, cache, meta = make_batch(q_lens, seq_lens, args, device)
+        q, cache, meta, nbytes = shape_batch(kind, batch, context, args, device)
         scale = args.head_size**-0.5
-        per_token_head = args.head_size + 4 if args.kv_cache_dtype == "int8" else (
-            args.head_size * q.element_size())  # fmt: skip
-        nbytes = sum(seq_lens) * args.kv_heads * per_token_head * 2 + 2 * q.numel() * 2
         want = kernel_fn(q, cache, meta, scale)().float()
         for tuning in [(t, w, s) for t in tiles for w in warps for s in stages]:
             row: dict = {"kind": kind, "batch": batch, "context": context, "tuning": tuning}
