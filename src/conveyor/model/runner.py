@@ -14,6 +14,10 @@ Only requests whose step reaches the end of their known tokens are sampled (A is
 if position 7 is its last token); their logits are computed at the last row of their chunk.
 Embedding requests (`sampling_params.pooling`) are never sampled: their chunks' rows go to
 the pooler (model/pooler.py), which returns a vector once the prompt's last chunk ran.
+
+On CUDA a step in which every request decodes one token replays a CUDA graph of that forward
+instead (model/decode_graphs.py: padded to a captured batch size, inputs in persistent
+buffers); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class ModelRunner:
         self, config: EngineConfig, model_path: str | None = None, tp: TPGroup | None = None
     ) -> None:
         """Start-up in four steps, each in its own module: resolve the settings, load the
-        weights, size the KV cache, allocate it.
+        weights, size the KV cache, allocate it; then, on CUDA, capture the decode graphs.
 
         Args:
         config: the engine's settings.
