@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from conveyor.model.host_copy import to_device_int64
+
 if TYPE_CHECKING:
     from conveyor.model.kv_cache import KVCache
 
@@ -61,7 +63,8 @@ def build_step_metadata(
     """Build one step's AttentionMetadata from host lists (the runner's, every step).
 
     Positions and slots are computed in numpy on the host, then copied to `device` together
-    (on CUDA in one non-blocking copy, `to_device_int64`), with the caller's `extra` lists.
+    (on CUDA in one non-blocking copy, host_copy.to_device_int64), with the caller's `extra`
+    lists.
 
     Args:
         query_lens: new tokens per request, batch order (each >= 1).
@@ -109,19 +112,6 @@ def build_step_metadata(
         positions=dev[4],
     )
     return meta, dev[5:]
-
-
-def to_device_int64(arrays: tuple[np.ndarray, ...], device: torch.device) -> list[torch.Tensor]:
-    """int64 copies of `arrays` on `device`, each in its own shape. On CUDA in ONE
-    non-blocking copy from pinned memory: a copy from pageable memory waits for the stream,
-    so six of them would stall the host six times a step."""
-    if device.type != "cuda":
-        return [torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device) for a in arrays]
-    sizes = [a.size for a in arrays]
-    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
-    np.concatenate([a.ravel() for a in arrays], out=host.numpy())
-    flat = host.to(device, non_blocking=True)
-    return [x.view(a.shape) for x, a in zip(flat.split(sizes), arrays, strict=True)]
 
 
 class AttentionBackend(ABC):
