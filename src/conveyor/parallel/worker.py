@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from conveyor.model.attention import build_attention_metadata
+from conveyor.model.attention.metadata import build_step_metadata
 from conveyor.model.runner import ModelRunner
 from conveyor.model.runner_settings import resolve_device
 from conveyor.parallel.group import TPGroup, timeout_from_env
@@ -38,15 +38,16 @@ def serve(runner: ModelRunner) -> None:
     tp, model, dev = runner.tp, runner.model, runner.device
     assert tp is not None
     while (batch := tp.recv_step()) is not None:
-        meta = build_attention_metadata(
-            batch.query_lens, batch.seq_lens, batch.block_tables, runner.block_size, dev
-        )
-        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
+        # The ids and rows go with the metadata, in one copy as on rank 0 (build_step_metadata).
+        meta, (ids, prompt_rows, sample_rows) = build_step_metadata(
+            batch.query_lens, batch.seq_lens, batch.block_tables, runner.block_size, dev,
+            (batch.token_ids, batch.prompt_rows, batch.sample_rows),
+        )  # fmt: skip
         hidden = model(ids, meta.positions, runner.kv_caches, meta)
         # The same gathers, in the same order, as rank 0's execute: prompt rows, then samples.
-        for rows in (batch.prompt_rows, batch.sample_rows):
-            if rows:
-                model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
+        for rows in (prompt_rows, sample_rows):
+            if rows.numel():
+                model.compute_logits(hidden[rows])
 
 
 def _exit_with_parent(parent: int) -> None:
