@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["sides"][side] = {
             "start_s": round(time.perf_counter() - t0, 2),
             "graph_capture_s": None if runner.graphs is None else runner.graphs.capture_seconds,
-            "attention": runner.model.model.layers[0].self_attn.backend.name,
+            "attention": runner.model.attention_backend.name,
         }
         run_once(llms[side], 2, argparse.Namespace(**{**vars(args), "output_len": 4}), 10**6)
         timers[side] = StepTimer(llms[side])

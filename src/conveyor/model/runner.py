@@ -123,8 +123,7 @@ class ModelRunner:
         only; enforce_eager turns them off."""
         if config.enforce_eager or self.device.type != "cuda" or self.tp is not None:
             return False
-        backend = self.model.model.layers[0].self_attn.backend
-        return backend.name == "triton"
+        return self.model.attention_backend.name == "triton"
 
     def remove_requests(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -293,7 +293,7 @@ def load_weights(
     # comes with Triton kernels for the same norms, rotary and activation
     # (conveyor.kernels.fused). attention_backend "torch" keeps the forward and the sampler in
     # torch.
-    if s.device.type == "cuda" and _uses_triton(model):
+    if s.device.type == "cuda" and model.attention_backend.name == "triton":
         import conveyor.kernels.fused as fused
 
         use_kernels(model, fused)
@@ -310,12 +310,6 @@ def load_weights(
         if model.fused_layers is not None:
             logger.info("Decoder layers: one C call a step (csrc/decoder_layers.c).")
     return model, kernels
-
-
-def _uses_triton(model: nn.Module) -> bool:
-    """Whether the model's attention runs on conveyor.kernels (the Triton backend)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    return bool(layers) and layers[0].self_attn.backend.name == "triton"
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -202,7 +202,8 @@ class LlamaForCausalLM(nn.Module):
         if shard is not None:  # the modules below are built with this rank's sizes
             config = shard.local_config(config)
         self.kv_config = config  # what this rank's KV cache holds (its KV heads)
-        backend = backend or get_attention_backend("torch", "cpu")
+        # Every layer's attention backend (one object shared by all of them).
+        self.attention_backend = backend = backend or get_attention_backend("torch", "cpu")
         qkv_bias = config.attention_bias or self.force_qkv_bias
         o_bias = config.attention_bias
 
