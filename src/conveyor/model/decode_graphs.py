@@ -83,11 +83,15 @@ class DecodeGraphs:
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
         n = self.max_batch = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
-        # Staging: [ids | positions | slots | seq_lens] (n each), then a bs x nb table.
+        # Staging: [ids | positions | slots | seq_lens] (n each), then a bs x nb table; the
+        # device copy has the same layout. Named views of both:
         length = 4 * n + n * self.max_blocks
         self._host = torch.zeros(length, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._host_np = self._host.numpy()
+        h = self._host.numpy()
+        self._h_ids, self._h_pos, self._h_slots, self._h_lens = h[: 4 * n].reshape(4, n)
+        self._h_tables = h[4 * n :]
         self._dev = torch.zeros(length, dtype=torch.int64, device=device)
+        self._ids, self._positions, self._slots, self._lens64 = self._dev[: 4 * n].view(4, n)
         self._seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self._tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self._qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -104,9 +108,8 @@ class DecodeGraphs:
 
     def _meta(self, size: int) -> AttentionMetadata:
         """The metadata a graph of `size` rows reads: views of the persistent buffers."""
-        n = self.max_batch
         return AttentionMetadata(
-            slot_mapping=self._dev[2 * n : 2 * n + size],
+            slot_mapping=self._slots[:size],
             query_start_loc=self._qsl[: size + 1],
             seq_lens=self._seq_lens[:size],
             block_tables=self._tables[:size],
@@ -114,12 +117,12 @@ class DecodeGraphs:
             seq_lens_cpu=[self.max_model_len] * size,
             max_query_len=1,
             max_seq_len=self.max_model_len,
-            positions=self._dev[n : n + size],
+            positions=self._positions[:size],
         )
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = self._meta(size)
-        return self.model(self._dev[:size], meta.positions, self.kv_caches, meta)
+        return self.model(self._ids[:size], meta.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -151,11 +154,10 @@ class DecodeGraphs:
     def _fill_padding(self, start: int, stop: int) -> None:
         """Rows start .. stop-1 of the staging buffer as padding (token 0, position 0, slot -1,
         one key)."""
-        n, h = self.max_batch, self._host_np
-        h[start:stop] = 0
-        h[n + start : n + stop] = 0
-        h[2 * n + start : 2 * n + stop] = -1
-        h[3 * n + start : 3 * n + stop] = 1
+        self._h_ids[start:stop] = 0
+        self._h_pos[start:stop] = 0
+        self._h_slots[start:stop] = -1
+        self._h_lens[start:stop] = 1
 
     def run(
         self, token_ids: list[int], seq_lens: list[int], block_tables: list[list[int]]
@@ -165,22 +167,20 @@ class DecodeGraphs:
         output: read it before the next run)."""
         bs = len(token_ids)
         size = next(s for s in self.sizes if s >= bs)
-        n, h, b = self.max_batch, self._host_np, self.block_size
-        nb = max(len(t) for t in block_tables)
-        tables = h[4 * n : 4 * n + bs * nb].reshape(bs, nb)
+        b, nb = self.block_size, max(len(t) for t in block_tables)
+        tables = self._h_tables[: bs * nb].reshape(bs, nb)
         for i, table in enumerate(block_tables):
             tables[i, : len(table)] = table
         pos = np.asarray(seq_lens, dtype=np.int64) - 1
-        h[:bs] = token_ids
-        h[n : n + bs] = pos
-        h[2 * n : 2 * n + bs] = tables[np.arange(bs), pos // b] * b + pos % b
-        h[3 * n : 3 * n + bs] = seq_lens
+        self._h_ids[:bs] = token_ids
+        self._h_pos[:bs] = pos
+        self._h_slots[:bs] = tables[np.arange(bs), pos // b] * b + pos % b
+        self._h_lens[:bs] = seq_lens
         self._fill_padding(bs, size)
-        used = 4 * n + bs * nb
-        dev = self._dev
-        dev[:used].copy_(self._host[:used], non_blocking=True)
-        self._seq_lens[:size].copy_(dev[3 * n : 3 * n + size])
-        self._tables[:bs, :nb].copy_(dev[4 * n : used].view(bs, nb))
+        used = 4 * self.max_batch + bs * nb  # the four rows, then this step's tables
+        self._dev[:used].copy_(self._host[:used], non_blocking=True)
+        self._seq_lens[:size].copy_(self._lens64[:size])
+        self._tables[:bs, :nb].copy_(self._dev[4 * self.max_batch : used].view(bs, nb))
         graph = self._graphs.get(size)
         if graph is None:  # capture=False
             return self._forward(size)[:bs]
