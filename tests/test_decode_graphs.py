@@ -107,6 +107,23 @@ def test_graph_buffers_and_padding_give_the_eager_tokens(checkpoint):
     assert sum(batches) == sum(MAX_TOKENS) - len(PROMPTS)  # every token but the first
 
 
+@pytest.mark.interpreter
+def test_a_forward_on_fresh_buffers_writes_no_kv(checkpoint):
+    """Before any step every row is padding on the device too (slot -1), so the warm-up
+    forward that precedes each capture leaves the KV cache as it was."""
+    llm = _llm(checkpoint, enforce_eager=True)
+    runner = llm.llm_engine.runner
+    for cache in runner.kv_caches:
+        cache.normal_()
+    before = [cache.clone() for cache in runner.kv_caches]
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, 8, runner.max_model_len, runner.block_size,
+        runner.device, capture=False,
+    )  # fmt: skip
+    graphs._forward(8)
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+
+
 def test_capture_off_cuda_is_refused():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         DecodeGraphs(torch.nn.Identity(), [], 4, 64, 16, torch.device("cpu"))

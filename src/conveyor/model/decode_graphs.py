@@ -98,6 +98,10 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
+        # Every row padding until a step writes it, on the device too: the capture's warm-up
+        # forwards then write no K/V (slot -1).
+        self._fill_padding(0, n)
+        self._dev.copy_(self._host)
         if capture:
             if device.type != "cuda":
                 raise ValueError(f"CUDA graphs need a CUDA device, got {device}.")
@@ -129,7 +133,6 @@ class DecodeGraphs:
         """Largest first, all in one memory pool (vLLM's order: the smaller graphs reuse the
         larger ones' memory). Each size runs once eagerly first (Triton compiles its variant)."""
         start = time.perf_counter()
-        self._fill_padding(0, self.max_batch)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
