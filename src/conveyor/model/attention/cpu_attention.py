@@ -50,18 +50,22 @@ def _make_plan(
     window: int | None,
     kernels: CpuKernels,
 ) -> _CpuPlan:
-    q_lens = np.asarray(meta.query_lens_cpu, dtype=np.int64)
     s_lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
-    batch = np.repeat(np.arange(len(q_lens)), q_lens)
-    first_row = np.cumsum(q_lens) - q_lens
-    # token i of request b's chunk sits at position s_b - q_b + i
-    key_end = s_lens[batch] - q_lens[batch] + (np.arange(len(batch)) - first_row[batch]) + 1
-    rows = np.flatnonzero(q_lens[batch] < SDPA_MIN_CHUNK)
-    key_end = key_end[rows]
-    device = meta.block_tables.device
+    if meta.max_query_len == 1:  # decode rows: row b is request b, its keys its context
+        rows = batch = np.arange(len(s_lens))
+        key_end = s_lens
+    else:
+        q_lens = np.asarray(meta.query_lens_cpu, dtype=np.int64)
+        batch = np.repeat(np.arange(len(q_lens)), q_lens)
+        first_row = np.cumsum(q_lens) - q_lens
+        # token i of request b's chunk sits at position s_b - q_b + i
+        key_end = s_lens[batch] - q_lens[batch] + (np.arange(len(batch)) - first_row[batch]) + 1
+        rows = np.flatnonzero(q_lens[batch] < SDPA_MIN_CHUNK)
+        key_end = key_end[rows]
+        batch = batch[rows]
 
-    def ints(x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(x.astype(np.int32)).to(device)
+    def ints(x: np.ndarray) -> torch.Tensor:  # the CPU's tensors: the backend runs nowhere else
+        return torch.from_numpy(x.astype(np.int32))
 
     key_begin, max_keys = None, meta.max_seq_len
     if window is not None:
@@ -69,8 +73,8 @@ def _make_plan(
         max_keys = min(max_keys, window)
     rows_checked = kernels.attention_rows(
         meta.block_tables,
-        torch.from_numpy(rows).to(device),
-        torch.from_numpy(batch[rows]).to(device),
+        torch.from_numpy(rows),
+        torch.from_numpy(batch),
         ints(key_end),
         max_keys,
         None if key_begin is None else ints(key_begin),

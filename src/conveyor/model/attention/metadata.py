@@ -62,9 +62,10 @@ def build_step_metadata(
 ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
     """Build one step's AttentionMetadata from host lists (the runner's, every step).
 
-    Positions and slots are computed in numpy on the host, then copied to `device` together
-    (on CUDA in one non-blocking copy, host_copy.to_device_int64), with the caller's `extra`
-    lists.
+    Positions and slots are computed on the host (a decode step's in Python, a step with
+    prefill chunks in numpy). On the CPU numpy's arrays become the tensors as they are; on CUDA
+    every part and the caller's `extra` lists go in one non-blocking copy
+    (host_copy.to_device_int64).
 
     Args:
         query_lens: new tokens per request, batch order (each >= 1).
@@ -85,33 +86,54 @@ def build_step_metadata(
         if q < 1 or s < q or len(t) * block_size < s:
             raise ValueError(f"bad request shape: query_len={q}, seq_len={s}, blocks={len(t)}.")
     num_reqs = len(query_lens)
-    q_lens = np.asarray(query_lens, dtype=np.int64)
-    s_lens = np.asarray(seq_lens, dtype=np.int64)
-    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=query_start_loc[1:])
-    # position of token t = t - (start of its chunk in the flat batch) + (its first position)
-    req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-    starts = query_start_loc[:-1] - (s_lens - q_lens)
-    positions = np.arange(query_start_loc[-1]) - starts[req_of_token]
-    tables = np.zeros((num_reqs, max(len(t) for t in block_tables)), dtype=np.int64)
+    device = torch.device(device)
+    # On the CPU the tables are int32 at once; on CUDA they travel int64 with the rest.
+    tables = np.zeros(
+        (num_reqs, max(len(t) for t in block_tables)),
+        dtype=np.int32 if device.type == "cpu" else np.int64,
+    )
     for i, table in enumerate(block_tables):
         tables[i, : len(table)] = table
-    slots = tables[req_of_token, positions // block_size] * block_size + positions % block_size
-    extras = (np.asarray(x, dtype=np.int64) for x in extra)
-    parts = (slots, query_start_loc, s_lens, tables, positions, *extras)
-    dev = to_device_int64(parts, torch.device(device))
+    max_query_len = max(query_lens)
+    if max_query_len == 1:  # decode rows: one new token each, at its context's last position
+        query_start_loc: Any = range(num_reqs + 1)
+        positions: Any = [s - 1 for s in seq_lens]
+        slots: Any = [
+            t[p // block_size] * block_size + p % block_size
+            for t, p in zip(block_tables, positions, strict=True)
+        ]
+    else:
+        q_lens = np.asarray(query_lens, dtype=np.int64)
+        s_lens = np.asarray(seq_lens, dtype=np.int64)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        # position of token t = t - (start of its chunk in the flat batch) + (its first position)
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        starts = query_start_loc[:-1] - (s_lens - q_lens)
+        positions = np.arange(query_start_loc[-1]) - starts[req_of_token]
+        blocks = tables[req_of_token, positions // block_size].astype(np.int64)
+        slots = blocks * block_size + positions % block_size
+    int32_parts = (query_start_loc, seq_lens, tables)
+    int64_parts = (slots, positions, *extra)
+    if device.type == "cpu":  # numpy's arrays as they are: no copies, no casts in torch
+        int32 = [torch.from_numpy(np.asarray(a, dtype=np.int32)) for a in int32_parts]
+        dev = [torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in int64_parts]
+    else:  # every part in one copy (host_copy.to_device_int64), the int32 ones cast there
+        sent = to_device_int64(tuple(map(np.asarray, int32_parts + int64_parts)), device)
+        int32 = [x.to(torch.int32) for x in sent[:3]]
+        dev = sent[3:]
     meta = AttentionMetadata(
         slot_mapping=dev[0],
-        query_start_loc=dev[1].to(torch.int32),
-        seq_lens=dev[2].to(torch.int32),
-        block_tables=dev[3].to(torch.int32),
+        query_start_loc=int32[0],
+        seq_lens=int32[1],
+        block_tables=int32[2],
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(s_lens.max()),
-        positions=dev[4],
+        max_query_len=max_query_len,
+        max_seq_len=max(seq_lens),
+        positions=dev[1],
     )
-    return meta, dev[5:]
+    return meta, dev[2:]
 
 
 class AttentionBackend(ABC):

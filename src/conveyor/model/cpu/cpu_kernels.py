@@ -256,7 +256,9 @@ class CpuKernels:
             raise ValueError(
                 f"packed panels are contiguous float32 or bfloat16, not {packed.dtype}."
             )
-        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        flat = ids  # a step's token ids already are int64 [T], contiguous
+        if ids.dim() != 1 or ids.dtype != torch.int64 or not ids.is_contiguous():
+            flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(flat.numel(), k, dtype=torch.float32)
         bf16 = int(packed.dtype == torch.bfloat16)
         threads = torch.get_num_threads()
@@ -264,7 +266,7 @@ class CpuKernels:
             packed.data_ptr(), bf16, n, k, flat.data_ptr(), flat.numel(), out.data_ptr(), k, threads
         ):
             raise ValueError(f"a token id is outside the vocabulary [0, {n}).")
-        return out.view(*ids.shape, k)
+        return out if flat is ids else out.view(*ids.shape, k)
 
     def linear(
         self,

@@ -5,8 +5,9 @@ four linears, rotary, attention, silu * up). Reached one by one from Python, eac
 nn.Module call, argument checks, a tensor allocation and a ctypes call, which on a small model
 adds up to as long as the kernels themselves (docs/kernels.md#measured-choices).
 `FusedLayers` describes every layer's weights to C once (at load), and each step that
-qualifies runs all layers in one call on the same kernels in the same order: the hidden states
-are bit for bit the modules' own (tests/test_fused_layers.py holds them to it).
+qualifies runs all layers and the model's final norm in one call on the same kernels in the
+same order: the hidden states are bit for bit the modules' own (tests/test_fused_layers.py
+holds them to it).
 
 A model qualifies when every layer is the plain Llama layer (Llama, Mistral, Qwen2: no
 per-head q/k norm) on our C kernels: RMSNorm, rotary and silu * up in C, the "cpu" attention
@@ -106,6 +107,8 @@ class _Step(ctypes.Structure):
         ("cos_sin", _P),
         ("slots", _P),
         ("num_slots", _I64),
+        ("final_norm", _P),
+        ("final_eps", _F32),
     ]
 
 
@@ -168,9 +171,17 @@ class FusedLayers:
         self._passes_of = quant[0] if quant else None
         self._widest_k = max(cfg.hidden_size, cfg.intermediate_size, self.hq * self.d)
         self._caches_of: tuple[int, int] | None = None  # (id, first pointer) described
-        self._kv_bf16 = 0
-        self._block_size = 0
-        self._num_slots = 0
+        # The step's description, reused: each call sets the fields that change.
+        norm = model.model.norm
+        self._step = _Step(
+            hidden=self.hidden, hq=self.hq, hkv=self.hkv, d=self.d, inter=self.inter,
+            scale=model.model.layers[0].self_attn.scale, cos_sin=self._cos_sin.data_ptr(),
+            final_norm=norm.weight.data_ptr(), final_eps=norm.eps,
+        )  # fmt: skip
+        self._row_sets = (_Rows * len(windows))()
+        # Float32 scratch a token (o, qkv, attn, gate_up, act), each part on a 64-byte line.
+        h, i, w = self.hidden, self.inter, (self.hq + 2 * self.hkv) * self.d
+        self._part_widths = (h, w, self.hq * self.d, 2 * i, i)
 
     @classmethod
     def build(cls, model: nn.Module, kernels: Any) -> FusedLayers | None:
@@ -215,9 +226,10 @@ class FusedLayers:
             desc.v_cache = cache.data_ptr() + cache.element_size() * cache.stride(0)
         if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16}:
             return False
-        self._kv_bf16 = int(dtypes.pop() == torch.bfloat16)
-        self._block_size = first.shape[2]
-        self._num_slots = first.shape[1] * first.shape[2]
+        step = self._step
+        step.kv_bf16 = int(dtypes.pop() == torch.bfloat16)
+        step.block_size = first.shape[2]
+        step.num_slots = first.shape[1] * first.shape[2]
         self._caches_of = key
         return True
 
@@ -227,11 +239,13 @@ class FusedLayers:
         positions: torch.Tensor,
         kv_caches: list,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Run every layer on the embeddings x [T, hidden] (they become the residual stream,
-        in place, as the modules use them): (last layer's output, residual), or None when
-        this step does not qualify (the caller runs the modules)."""
+    ) -> torch.Tensor | None:
+        """Run every layer, then the model's final norm, on the embeddings x [T, hidden] (they
+        become the residual stream, in place, as the modules use them): the final hidden
+        states [T, hidden], or None when this step does not qualify (the caller runs the
+        modules)."""
         t = x.shape[0]
+        slots = meta.slot_mapping
         if (
             t == 0
             or (self._gemm_rows is not None and t >= self._gemm_rows)
@@ -241,18 +255,20 @@ class FusedLayers:
             or meta.max_seq_len > self._max_position
             or positions.dtype != torch.int64
             or not positions.is_contiguous()
-            or meta.slot_mapping.numel() != t
+            or slots.numel() != t
+            or slots.dtype != torch.int64
+            or not slots.is_contiguous()
             or not self._describe_caches(kv_caches)
         ):
             return None
-        row_sets = (_Rows * len(self._windows))()
+        step, row_sets = self._step, self._row_sets
         plans = []
         for rs, window in zip(row_sets, self._windows, strict=True):
             plan = step_plan(
                 meta,
                 window,
                 _CpuPlan,
-                lambda w=window: _make_plan(meta, self._block_size, x.dtype, w, self.kernels),
+                lambda w=window: _make_plan(meta, step.block_size, x.dtype, w, self.kernels),
             )
             if plan.chunks:  # a chunk long enough for SDPA: the modules run this step
                 return None
@@ -261,28 +277,24 @@ class FusedLayers:
             (rs.block_tables, rs.bt_stride, rs.key_begin, rs.key_end, rs.rows, rs.batch,
              rs.n) = rows.args  # fmt: skip
             rs.max_keys = rows.max_keys
-        hidden, inter, hq, hkv, d = self.hidden, self.inter, self.hq, self.hkv, self.d
-        sizes = [t * hidden, t * (hq + 2 * hkv) * d, t * hq * d, t * 2 * inter, t * inter]
-        scratch = torch.empty(sum(sizes), dtype=torch.float32)
-        o, qkv, attn, gate_up, act = (p.data_ptr() for p in scratch.split(sizes))
         passes = self._passes_of.passes if self._passes_of is not None else 1
-        xq = torch.empty(passes * t * (self._widest_k // BLOCK) * _Q8A_BYTES, dtype=torch.uint8)
-        out = torch.empty(t, hidden, dtype=torch.float32)
-        slots = meta.slot_mapping
-        if slots.dtype != torch.int64 or not slots.is_contiguous():
-            return None
-        step = _Step(
-            t, hidden, hq, hkv, d, inter, self._block_size, self._kv_bf16, passes,
-            torch.get_num_threads(), self.model.model.layers[0].self_attn.scale,
-            positions.data_ptr(), self._cos_sin.data_ptr(), slots.data_ptr(), self._num_slots,
-        )  # fmt: skip
+        # One allocation for the scratch and the quantized activations, parts 64-byte aligned.
+        parts = [-(-t * w // 16) * 16 for w in self._part_widths]
+        xq_floats = -(-passes * t * (self._widest_k // BLOCK) * _Q8A_BYTES // 4)
+        scratch = torch.empty(sum(parts) + xq_floats, dtype=torch.float32)
+        ptrs = [scratch.data_ptr()]
+        for n in parts:
+            ptrs.append(ptrs[-1] + 4 * n)
+        out = torch.empty(t, self.hidden, dtype=torch.float32)
+        step.t, step.passes, step.num_threads = t, passes, torch.get_num_threads()
+        step.positions, step.slots = positions.data_ptr(), slots.data_ptr()
         failed = self._call(
-            self._layers, self._n, row_sets, ctypes.byref(step), out.data_ptr(),
-            x.data_ptr(), o, qkv, attn, gate_up, act, xq.data_ptr(),
+            self._layers, self._n, row_sets, ctypes.byref(step), out.data_ptr(), x.data_ptr(),
+            *ptrs,
         )  # fmt: skip
         if failed:
-            _raise(failed, self._num_slots, plans)
-        return out, x
+            _raise(failed, step.num_slots, plans)
+        return out
 
 
 def _raise(failed: int, num_slots: int, plans: list) -> None:
@@ -329,4 +341,6 @@ def _why_not(model: nn.Module, kernels: Any) -> str:
             return "the MLP is not on the C kernels"
         if not (_plain_norm(layer.input_layernorm) and _plain_norm(layer.post_attention_layernorm)):
             return "a norm is not on the C kernels"
+    if not _plain_norm(getattr(inner, "norm", None)):
+        return "the final norm is not on the C kernels"
     return ""

@@ -197,7 +197,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         # fused_layers.FusedLayers once the runner has put the model on our C kernels: every
-        # layer of a qualifying step in one C call (bit for bit the loop in forward).
+        # layer and the final norm of a qualifying step in one C call (bit for bit the loop
+        # in forward).
         self.fused_layers: Any = None
         if shard is not None:  # the modules below are built with this rank's sizes
             config = shard.local_config(config)
@@ -242,15 +243,14 @@ class LlamaForCausalLM(nn.Module):
             final-norm hidden states [T, hidden_size].
         """
         m = self.model
-        rope = m.rotary_emb.step(positions)  # once per step, shared by all layers
         x, residual = m.embed_tokens(input_ids), None
         fused = self.fused_layers
-        done = None if fused is None else fused(x, positions, kv_caches, meta)
-        if done is not None:
-            x, residual = done
-        else:
-            for layer, kv_cache in zip(m.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, rope, kv_cache, meta)
+        hidden = None if fused is None else fused(x, positions, kv_caches, meta)
+        if hidden is not None:  # every layer and the final norm in one C call
+            return hidden
+        rope = m.rotary_emb.step(positions)  # once per step, shared by all layers
+        for layer, kv_cache in zip(m.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, rope, kv_cache, meta)
         x, _ = m.norm(x, residual)
         return x
 

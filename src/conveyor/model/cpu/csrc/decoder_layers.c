@@ -18,6 +18,7 @@
  *   attn = paged_attention(q; k, v written to the cache first)
  *   o = attn @ Wo.T (+ b); r += o, o = rms_norm(r) * w_post
  *   x = (silu(gate) * up of o @ Wgu.T) @ Wdown.T
+ * and after the last layer the model's final norm: r += x, x = rms_norm(r) * w_final.
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -100,6 +101,8 @@ typedef struct {
     const float *cos_sin;
     const int64_t *slots;
     int64_t num_slots;
+    const float *final_norm; /* the model's last RMSNorm, after the layers */
+    float final_eps;
 } cv_step;
 
 static int run_linear(const cv_linear *l, const float *x, int64_t m, float *out, void *xq,
@@ -128,7 +131,8 @@ static int run_linear(const cv_linear *l, const float *x, int64_t m, float *out,
  * Buffers (float32, contiguous rows): x and o [t, hidden], residual [t, hidden] (the
  * embedding coming in), qkv [t, (hq + 2 hkv) d], attn [t, hq d], gate_up [t, 2 inter],
  * act [t, inter]; xq the activations' blocks for the largest k (passes x t x k / 32 x 40 B).
- * x ends as the last layer's output, residual as the stream it adds to. */
+ * After the last layer, residual += x and x = rms_norm(residual) * s->final_norm: x ends as
+ * the model's final hidden states. */
 int conveyor_decoder_layers(const cv_layer *layers, int n_layers, const cv_rows *row_sets,
                             const cv_step *s, float *x, float *residual, float *o, float *qkv,
                             float *attn, float *gate_up, float *act, void *xq)
@@ -169,5 +173,7 @@ int conveyor_decoder_layers(const cv_layer *layers, int n_layers, const cv_rows 
         conveyor_silu_mul_f32(gate_up, 2 * (int64_t)s->inter, act, s->inter, t, s->inter, threads);
         if (run_linear(&L->down, act, t, x, xq, s->passes, threads)) return (i << 8) | 1;
     }
+    conveyor_add_rms_norm_f32(x, hidden, residual, hidden, s->final_norm, t, hidden,
+                              s->final_eps, threads);
     return 0;
 }
