@@ -170,12 +170,16 @@ class ModelRunner:
             and not step.pool_rows
         ):
             return graphs.run(step.token_ids, step.seq_lens, step.tables), None
+        # Rows are sampled in order, so as many samples as rows is every row (a decode step):
+        # no gather of the hidden states before the head.
+        every_row = len(step.sample_rows) == len(step.token_ids)
+        extra = (step.token_ids,) if every_row else (step.token_ids, step.sample_rows)
         # The scheduler gives every request >= 1 new token and a table covering its context.
-        meta, (input_ids, rows) = build_step_metadata(
-            step.query_lens, step.seq_lens, step.tables, self.block_size, self.device,
-            (step.token_ids, step.sample_rows),
-        )  # fmt: skip
-        return self.model(input_ids, meta.positions, self.kv_caches, meta), rows
+        meta, sent = build_step_metadata(
+            step.query_lens, step.seq_lens, step.tables, self.block_size, self.device, extra
+        )
+        rows = None if every_row else sent[1]
+        return self.model(sent[0], meta.positions, self.kv_caches, meta), rows
 
     def _gather(self, out: SchedulerOutput) -> StepInputs:
         """The step's rows as host lists (and, tensor-parallel, sent to the other ranks)."""

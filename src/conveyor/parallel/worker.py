@@ -44,7 +44,8 @@ def serve(runner: ModelRunner) -> None:
             (batch.token_ids, batch.prompt_rows, batch.sample_rows),
         )  # fmt: skip
         hidden = model(ids, meta.positions, runner.kv_caches, meta)
-        # The same gathers, in the same order, as rank 0's execute: prompt rows, then samples.
+        # The same rows, in the same order, as rank 0's execute: prompt rows, then samples
+        # (rank 0 skips the gather when every row is sampled; the rows are the same).
         for rows in (prompt_rows, sample_rows):
             if rows.numel():
                 model.compute_logits(hidden[rows])
