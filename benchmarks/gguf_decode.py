@@ -19,6 +19,11 @@ arithmetic, 2: the default), after a warm-up, each repeat times a 1-token and an
                    torch's threads, on 2 MiB pages as the weights are, best of the samples
                    taken right after each repeat)
     tpot_to_floor  tpot_ms / floor_ms (issue 28's single-stream target: at most 1.2 in bf16)
+    host_ms        a decode step's wall time outside the decoder layers' one C call and the
+                   head (compute_logits): the runner's, sampler's and engine's own work, which
+                   runs right after the kernels have streamed the weights through the caches
+                   (median over one more generate's decode steps; absent when the layers do
+                   not run as one C call)
     tpot_to_floor_paired  each repeat's TPOT over the floor at the mean of the bandwidth
                    sampled just before and just after it, the median over repeats: on a
                    machine whose read bandwidth moves within a run (this VM's swings between
@@ -57,6 +62,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,6 +97,43 @@ def bytes_per_token(model: torch.nn.Module) -> int:
     return storage_bytes(tensors)
 
 
+def host_ms(llm: LLM, generate: Callable[[], None]) -> float | None:
+    """The median decode step's wall time (ms) outside the layers' one C call and the head,
+    over the steps `generate` runs; None when the model's layers do not run as one C call."""
+    engine = llm.llm_engine
+    model = engine.runner.model
+    fused = getattr(model, "fused_layers", None)
+    if fused is None:
+        return None
+    inside, outside = [0.0], []
+
+    def timed(fn: Callable) -> Callable:
+        def call(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                inside[0] += time.perf_counter() - start
+
+        return call
+
+    def step() -> Any:
+        inside[0], start = 0.0, time.perf_counter()
+        out = engine_step()
+        outside.append(time.perf_counter() - start - inside[0])
+        return out
+
+    engine_step, c_call = engine.step, fused._call
+    fused._call, engine.step = timed(c_call), step
+    model.compute_logits = timed(model.compute_logits)
+    try:
+        generate()
+    finally:
+        fused._call = c_call
+        del model.compute_logits, engine.step  # the instance's wrappers: the class's again
+    return 1e3 * statistics.median(outside[1:])  # the first step is the prompt's
+
+
 def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, dtype: str) -> dict:
     llm = LLM(model, num_kv_blocks=kv_blocks, dtype=dtype, quant_activation_passes=passes)
     bandwidth = load_sibling(__file__, "linear_bf16").read_bandwidth_gbps
@@ -105,6 +149,7 @@ def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, 
         tpot.append((many[0] - one[0]) / tokens)
         cpu.append((many[1] - one[1]) / tokens)
         gbps.append(bandwidth())
+    host = host_ms(llm, lambda: gen(tokens + 1))
     runner_model = llm.llm_engine.runner.model
     linears = [m for m in runner_model.modules() if isinstance(m, QuantLinear | CpuLinear)]
     xs = [torch.randn(1, m.in_features) for m in linears]
@@ -130,6 +175,8 @@ def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, 
         "linears": len(linears),
         "quant_linears": sum(isinstance(m, QuantLinear) for m in linears),
     }
+    if host is not None:
+        result["host_ms"] = round(host, 3)
     if linears:
         result["linears_ms"] = round(1e3 * min(t for t, _ in lin), 3)
         result["linears_cpu_ms"] = round(1e3 * min(c for _, c in lin), 3)

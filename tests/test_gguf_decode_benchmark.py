@@ -31,6 +31,9 @@ def test_gguf_decode_benchmark_reports_each_pass_count(capsys):
         assert 0 < r["bytes_per_token_mib"] < GGUF.stat().st_size / 2**20
         assert r["read_gbps"] > 0 and r["floor_ms"] > 0 and "tpot_to_floor" in r
         assert "tpot_to_floor_paired" in r and r["linears"] == r["quant_linears"]
+        # the layers run as one C call: the step's time outside it and the head (a sum of
+        # disjoint intervals taken from the step's, so never negative)
+        assert r["host_ms"] > 0
     assert '"tpot_ms"' in capsys.readouterr().out
 
 
@@ -48,6 +51,7 @@ def test_decode_floor_of_a_bf16_checkpoint_counts_its_weights_once(demo_model_di
     assert run["quant_linears"] == 0
     if kernels is not None and kernels.linear_vectorized:
         assert run["linears"] > 0 and run["linears_ms"] > 0
+        assert run["host_ms"] > 0  # the layers in one C call: the host work around it
     h, inter = config["hidden_size"], config["intermediate_size"]
     layers = config["num_hidden_layers"]
     kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
