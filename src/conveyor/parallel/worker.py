@@ -44,11 +44,12 @@ def serve(runner: ModelRunner) -> None:
             (batch.token_ids, batch.prompt_rows, batch.sample_rows),
         )  # fmt: skip
         hidden = model(ids, meta.positions, runner.kv_caches, meta)
-        # The same rows, in the same order, as rank 0's execute: prompt rows, then samples
-        # (rank 0 skips the gather when every row is sampled; the rows are the same).
+        # The same rows, in the same order, as rank 0's execute: prompt rows, then samples.
+        # Rows come in order, each once, so as many as the step's rows is every row (a decode
+        # step's samples): the hidden states as they are, as rank 0 takes them, no gather.
         for rows in (prompt_rows, sample_rows):
             if rows.numel():
-                model.compute_logits(hidden[rows])
+                model.compute_logits(hidden if rows.numel() == len(hidden) else hidden[rows])
 
 
 def _exit_with_parent(parent: int) -> None:
