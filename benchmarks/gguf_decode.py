@@ -30,10 +30,21 @@ arithmetic, 2: the default), after a warm-up, each repeat times a 1-token and an
                    about 50 and 85 GB/s), the best TPOT and the best bandwidth can come from
                    different moments, and this pairs each TPOT with its own
 
+    llama_cpp      with --llama-bench: llama.cpp's `llama-bench` run once (`-r 1`, after its
+                   own warm-up; `-p 0 -n --tokens -t` our thread count) after each of our
+                   repeats, on --llama-model (default: --model when it is a GGUF; for a
+                   checkpoint folder, e.g. its bf16 GGUF from llama.cpp's
+                   `convert_hf_to_gguf.py --outtype bf16`), with a bandwidth sample after it
+                   too: its tpot_ms (best) and tpot_ms_median, tpot_to_floor and
+                   tpot_to_floor_paired against the same floor, and tpot_ratio, its best
+                   over ours (above 1: ours is shorter)
+
 Threads: torch's (set OMP_NUM_THREADS, or --threads).
 
     python benchmarks/gguf_decode.py --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 1
     python benchmarks/gguf_decode.py --model SMOLLM2_FOLDER --dtype bfloat16
+    python benchmarks/gguf_decode.py --model SMOLLM2_FOLDER --dtype bfloat16 --tokens 64 \
+        --repeats 4 --llama-bench LLAMA_CPP/build/bin/llama-bench --llama-model smollm2-bf16.gguf
 
 --kernels (no model file): one decoder layer's quantized linears (qkv, o, gate_up, down at
 --shape's hidden, intermediate and kv widths; default TinyLlama-1.1B's 2048 5632 256) in each
@@ -58,6 +69,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -134,7 +146,40 @@ def host_ms(llm: LLM, generate: Callable[[], None]) -> float | None:
     return 1e3 * statistics.median(outside[1:])  # the first step is the prompt's
 
 
-def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, dtype: str) -> dict:
+def llama_bench(command: str, model: str, tokens: int) -> Callable[[], float]:
+    """A function that runs llama.cpp's `llama-bench` (`command`, split like a shell line) once
+    on `model`: `tokens` generated after an empty prompt (`-p 0 -n`), on this process's torch
+    thread count, one repetition after its own warm-up; it returns the seconds a token."""
+    argv = [*shlex.split(command), "-m", model, "-p", "0", "-n", str(tokens),
+            "-t", str(torch.get_num_threads()), "-r", "1", "-o", "json"]  # fmt: skip
+
+    def run() -> float:
+        out = subprocess.run(argv, capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"llama-bench exited {out.returncode}: {out.stderr.strip()[-800:]}")
+        rows = [r for r in json.loads(out.stdout) if r.get("n_prompt") == 0]
+        if len(rows) != 1 or rows[0].get("n_gen") != tokens:
+            raise SystemExit(f"llama-bench gave no single {tokens}-token generation: {rows}")
+        return 1.0 / rows[0]["avg_ts"]
+
+    return run
+
+
+def _floor_ratios(tpot: list[float], around: list[tuple[float, float]], floor_s: float,
+                  read: int) -> dict:  # fmt: skip
+    """TPOT's best over the floor, and the median of each repeat's TPOT over the floor at the
+    mean of the bandwidth sampled just before and just after it."""
+    paired = [t * (a + b) / 2 * 1e9 / read for t, (a, b) in zip(tpot, around, strict=True)]
+    return {
+        "tpot_to_floor": round(min(tpot) / floor_s, 3),
+        "tpot_to_floor_paired": round(statistics.median(paired), 3),
+    }
+
+
+def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, dtype: str,
+            peer: Callable[[], float] | None = None) -> dict:  # fmt: skip
+    """One pass count's run (see the module docstring). `peer` (llama_bench's function), when
+    given, runs after each of our repeats, with a bandwidth sample after it too."""
     llm = LLM(model, num_kv_blocks=kv_blocks, dtype=dtype, quant_activation_passes=passes)
     bandwidth = load_sibling(__file__, "linear_bf16").read_bandwidth_gbps
 
@@ -144,11 +189,17 @@ def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, 
 
     gen(4)  # warm-up: the kernels' build, the first step's allocations
     tpot, cpu, gbps = [], [], [bandwidth()]
+    around, peer_tpot, peer_around = [], [], []  # each repeat's bandwidth before and after
     for _ in range(repeats):
         one, many = _timed(lambda: gen(1)), _timed(lambda: gen(tokens + 1))
         tpot.append((many[0] - one[0]) / tokens)
         cpu.append((many[1] - one[1]) / tokens)
         gbps.append(bandwidth())
+        around.append((gbps[-2], gbps[-1]))
+        if peer is not None:
+            peer_tpot.append(peer())
+            gbps.append(bandwidth())
+            peer_around.append((gbps[-2], gbps[-1]))
     host = host_ms(llm, lambda: gen(tokens + 1))
     runner_model = llm.llm_engine.runner.model
     linears = [m for m in runner_model.modules() if isinstance(m, QuantLinear | CpuLinear)]
@@ -162,7 +213,6 @@ def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, 
     read = bytes_per_token(runner_model)
     llm.shutdown()
     floor_ms = 1e3 * read / (max(gbps) * 1e9)
-    paired = [t * (gbps[i] + gbps[i + 1]) / 2 * 1e9 / read for i, t in enumerate(tpot)]
     result = {
         "passes": passes,
         "tpot_ms": round(1e3 * min(tpot), 3),
@@ -170,11 +220,18 @@ def measure(model: str, passes: int, tokens: int, repeats: int, kv_blocks: int, 
         "bytes_per_token_mib": round(read / 2**20, 1),
         "read_gbps": round(max(gbps), 1),
         "floor_ms": round(floor_ms, 3),
-        "tpot_to_floor": round(1e3 * min(tpot) / floor_ms, 3),
-        "tpot_to_floor_paired": round(statistics.median(paired), 3),
+        **_floor_ratios(tpot, around, floor_ms / 1e3, read),
         "linears": len(linears),
         "quant_linears": sum(isinstance(m, QuantLinear) for m in linears),
     }
+    if peer is not None:
+        result["llama_cpp"] = {
+            "tpot_ms": round(1e3 * min(peer_tpot), 3),
+            "tpot_ms_median": round(1e3 * statistics.median(peer_tpot), 3),
+            **_floor_ratios(peer_tpot, peer_around, floor_ms / 1e3, read),
+            # llama.cpp's best time a token over ours (above 1: ours is shorter)
+            "tpot_ratio": round(min(peer_tpot) / min(tpot), 3),
+        }
     if host is not None:
         result["host_ms"] = round(host, 3)
     if linears:
@@ -345,6 +402,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2, help="baseline/this tree alternations")
     parser.add_argument("--no-gemm", dest="gemm", action="store_false")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--llama-bench",
+        metavar="COMMAND",
+        help="llama.cpp's llama-bench, run after each repeat on --llama-model (a peer: never "
+        "a dependency)",
+    )
+    parser.add_argument(
+        "--llama-model", help="the GGUF file llama-bench reads (default: --model, if a GGUF)"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -357,12 +423,18 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--model is required (or --kernels)")
     gguf = args.model.endswith(".gguf")
     args.passes = args.passes or ([1, 2] if gguf else [2])  # (passes: GGUF's kernels only)
+    peer = None
+    if args.llama_bench:
+        llama_model = args.llama_model or (args.model if gguf else None)
+        if llama_model is None:
+            parser.error("--llama-bench on a checkpoint folder needs --llama-model (a GGUF)")
+        peer = llama_bench(args.llama_bench, llama_model, args.tokens)
     result = {
         "model": args.model,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "runs": [
-            measure(args.model, p, args.tokens, args.repeats, args.kv_blocks, args.dtype)
+            measure(args.model, p, args.tokens, args.repeats, args.kv_blocks, args.dtype, peer)
             for p in args.passes
         ],
     }

@@ -92,3 +92,63 @@ def test_gguf_decode_benchmark_times_a_long_prefill_both_ways():
     assert ("integer_kernels_ms" in long) == switches
     if switches:
         assert long["integer_kernels_ms"]["min"] > 0
+
+
+# llama-bench's JSON as it prints it for `-p 0 -n N -r 1 -o json` (the fields read, and some
+# others), after checking the arguments it was given; every call is logged.
+_FAKE_LLAMA_BENCH = r"""
+import json, sys
+args = sys.argv[1:]
+log, ts = args[0], float(args[1])
+opts = dict(zip(args[2::2], args[3::2]))
+with open(log, "a") as f:
+    f.write(json.dumps(opts) + "\n")
+if ts < 0:
+    sys.stderr.write("error: failed to load model\n")
+    sys.exit(3)
+n = int(opts["-n"])
+print(json.dumps([{"model_type": "llama 256M BF16", "n_threads": int(opts["-t"]),
+                   "n_prompt": int(opts["-p"]), "n_gen": n, "avg_ts": ts,
+                   "stddev_ts": 0.0, "samples_ts": [ts]}]))
+"""
+
+
+def test_llama_bench_runs_after_each_repeat_against_the_same_floor(tmp_path, demo_model_dir):
+    """--llama-bench: the peer's command runs once per repeat (its arguments: the GGUF, an
+    empty prompt, --tokens, our threads, one repetition, JSON), and its time a token is put
+    against the same floor as ours, with the ratio of the two."""
+    import json
+    import sys
+
+    import torch
+
+    fake, log, gguf = tmp_path / "llama_bench.py", tmp_path / "calls.jsonl", tmp_path / "m.gguf"
+    fake.write_text(_FAKE_LLAMA_BENCH)
+    gguf.write_bytes(b"GGUF")
+    command = f"{sys.executable} {fake} {log} 250.0"
+    args = ["--model", str(demo_model_dir), "--dtype", "bfloat16", "--tokens", "3"]
+    args += ["--repeats", "2", "--llama-bench", command, "--llama-model", str(gguf)]
+    (run,) = gguf_decode.main(args)["runs"]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    want = {"-m": str(gguf), "-p": "0", "-n": "3", "-t": str(torch.get_num_threads())}
+    assert calls == [{**want, "-r": "1", "-o": "json"}] * 2
+    peer = run["llama_cpp"]
+    assert peer["tpot_ms"] == peer["tpot_ms_median"] == 4.0  # 250 tokens a second
+    # (floor_ms is rounded to the microsecond)
+    assert peer["tpot_to_floor"] == pytest.approx(4.0 / run["floor_ms"], rel=0.01)
+    assert peer["tpot_to_floor_paired"] > 0
+    if run["tpot_ms"] > 0:  # a difference of two timings (see above)
+        assert abs(peer["tpot_ratio"] - 4.0 / run["tpot_ms"]) <= 0.01 * peer["tpot_ratio"] + 1e-3
+
+
+def test_llama_bench_failing_or_missing_its_model_stops_the_benchmark(tmp_path, demo_model_dir):
+    import sys
+
+    fake, log = tmp_path / "llama_bench.py", tmp_path / "calls.jsonl"
+    fake.write_text(_FAKE_LLAMA_BENCH)
+    args = ["--model", str(demo_model_dir), "--dtype", "bfloat16", "--tokens", "2"]
+    args += ["--repeats", "1", "--llama-bench", f"{sys.executable} {fake} {log} -1"]
+    with pytest.raises(SystemExit, match="llama-bench exited 3: error: failed to load model"):
+        gguf_decode.main([*args, "--llama-model", str(tmp_path / "m.gguf")])
+    with pytest.raises(SystemExit):  # a checkpoint folder: the GGUF must be named
+        gguf_decode.main(args)
