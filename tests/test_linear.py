@@ -322,29 +322,44 @@ def test_decode_sized_batches_give_each_row_what_it_gets_alone(kernels, weight_d
     torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("panels", [7, 8, 13])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_panels_are_stored_four_to_a_group_line_by_line(kernels, weight_dtype):
+def test_panels_are_stored_four_to_a_group_line_by_line(kernels, weight_dtype, panels):
     """The packed weight: panels of 16 columns, in groups of four stored line by line (line q
     of each of the group's panels, then line q + 1), the last group the panels left over; a
-    line one k of float32 or one pair of k of bf16. A decode step reads a group as one stream."""
-    n, k = 16 * 6 + 3, 6  # a group of four panels, then one of three (the last partial)
+    line one k of float32 or one pair of k of bf16. A decode step reads a group as one stream.
+    In bf16 on a vdpbf16ps build, with an odd number of whole groups (7 panels: one, 13:
+    three) the middle one is stored as two groups of two, so that two threads splitting the
+    groups by halves each read one."""
+    n, k = 16 * (panels - 1) + 3, 6  # the last panel partial
     weight = torch.arange(n * k, dtype=torch.float32).view(n, k)  # exact in bf16 below 256
     weight = weight % 251
     packed = CpuLinear(weight, None, kernels, weight_dtype).packed_weight
     w = weight.to(weight_dtype)
     pairs = weight_dtype == torch.bfloat16
     lines = k // 2 if pairs else k
-    assert packed.shape[0] == 7 * lines
-    for p in range(7):
-        group, slot, size = p // 4, p % 4, 4 if p < 4 else 3
+    assert packed.shape[0] == panels * lines
+    whole = panels // 4
+    split = pairs and kernels.linear_isa == "avx512-bf16"
+    for p in range(panels):
+        group = p // 4
+        if group == whole:  # the panels left over
+            first, slot, size = 4 * whole * lines, p % 4, panels - 4 * whole
+        elif split and whole % 2 and group == whole // 2:  # the middle group, as two pairs
+            first, slot, size = (4 * group + p % 4 // 2 * 2) * lines, p % 2, 2
+        else:
+            first, slot, size = 4 * group * lines, p % 4, 4
         for q in range(lines):
-            line = packed[group * 4 * lines + q * size + slot]
+            line = packed[first + q * size + slot]
             cols = torch.arange(16 * p, min(16 * p + 16, n))
             if pairs:  # column j's k = 2q and 2q + 1 side by side
                 assert torch.equal(line[: len(cols)], w[cols][:, 2 * q : 2 * q + 2]), (p, q)
             else:
                 assert torch.equal(line[: len(cols)], w[cols, q]), (p, q)
             assert not line[len(cols) :].any()  # the partial panel's zero columns
+    # the C side reads the same layout: every row back (a tied head's embedding lookup)
+    rows = kernels.linear_rows(packed, n, k, torch.arange(n))
+    assert torch.equal(rows, w.float())
 
 
 @pytest.mark.parametrize("rows", [1, 5, 70, 300])

@@ -120,15 +120,29 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def group_panels(panels: torch.Tensor) -> torch.Tensor:
+def group_panels(panels: torch.Tensor, split: bool = False) -> torch.Tensor:
     """[P, L, ...] panels (L 64-byte lines each) -> [P * L, ...] in groups of
     LINEAR_PANEL_GROUP panels stored line by line: each group's line 0 of every panel, then
-    line 1, ... (the last group holds the panels left over), as csrc/linear.c reads them."""
+    line 1, ... (the last group holds the panels left over), as csrc/linear.c reads them.
+    `split` (bf16 panels on a vdpbf16ps build): with an odd number of whole groups the middle
+    one is stored as two groups of half as many panels (csrc/linear.c's split_group: two
+    threads' shares of a decode step each one stream)."""
     group = cpu_kernels.LINEAR_PANEL_GROUP
-    full = panels.shape[0] // group * group
-    head = panels[:full].unflatten(0, (-1, group)).transpose(1, 2).reshape(-1, *panels.shape[2:])
-    tail = panels[full:].transpose(0, 1).reshape(-1, *panels.shape[2:])
-    return torch.cat([head, tail])
+    whole = panels.shape[0] // group
+    line = panels.shape[2:]
+
+    def by_lines(blocks: torch.Tensor) -> torch.Tensor:  # [G, g, L, ...]: each group in turn
+        return blocks.transpose(1, 2).reshape(-1, *line)
+
+    groups = panels[: whole * group].unflatten(0, (-1, group))
+    if split and whole % 2:
+        mid = whole // 2
+        halves = groups[mid].unflatten(0, (2, group // 2))
+        parts = [by_lines(groups[:mid]), by_lines(halves), by_lines(groups[mid + 1 :])]
+    else:
+        parts = [by_lines(groups)]
+    tail = panels[whole * group :].transpose(0, 1).reshape(-1, *line)
+    return torch.cat([*parts, tail])
 
 
 class CpuLinear(nn.Module):
@@ -137,7 +151,8 @@ class CpuLinear(nn.Module):
     `weight_dtype` float32 keeps W exactly, a panel's line one k's 16 weights; bfloat16 holds
     it in half the bytes (rounded to nearest), a line one pair of k's 16 pairs ([16, 2]: k in
     pairs, the operand vdpbf16ps takes; linear.c). The panels are stored in groups of four,
-    line by line (group_panels), so a decode step reads them as one stream. x, b and y are
+    line by line (group_panels; in bf16 on vdpbf16ps, the middle of an odd number of groups
+    as two pairs), so a decode step's thread reads its share as one stream. x, b and y are
     float32 either way; where the build has AVX512-BF16 (`kernels.linear_isa`
     "avx512-bf16") the kernel rounds x to bf16 for the products.
     """
@@ -167,7 +182,9 @@ class CpuLinear(nn.Module):
                 padded = weight.new_zeros(-(-n // panel) * panel, kp, dtype=weight_dtype)
                 padded[:n, :k] = weight.detach()
                 packed = padded.view(-1, panel, kp // 2, 2).transpose(1, 2)
-            packed = group_panels(packed)
+            # bf16 on vdpbf16ps: the middle of an odd number of groups stored as two halves
+            split = weight_dtype == torch.bfloat16 and kernels.linear_isa == "avx512-bf16"
+            packed = group_panels(packed, split)
             placed = arena_empty(packed.shape, packed.dtype)  # huge pages while loading
             placed.copy_(packed)
         self.register_buffer("packed_weight", placed, persistent=False)

@@ -65,14 +65,40 @@
  * group (conveyor_linear_bf16_grouped). */
 #define PANEL_GROUP 4
 
-/* The line index of panel p's first line, `lines` lines a panel, and the lines between two
- * of its consecutive lines (the panels in its group). */
-static inline int64_t panel_line0(int64_t p, int64_t lines, int group)
+/* bf16 panels for vdpbf16ps (`split`): with an odd number of whole groups of PANEL_GROUP,
+ * the middle one is stored as two groups of half as many panels (each half's lines side by
+ * side, the first half's before the second's). A decode step's two threads split the groups
+ * by halves (few_rows_dp), so each one's share is then one stream; interleaved in one group,
+ * the half a thread read first pulled much of the other half through the prefetchers, and
+ * SmolLM2's o and down (nine groups) took one thread ~10 % longer than the other
+ * (docs/kernels.md#measured-choices). CpuLinear packs them so (linear.py's group_panels)
+ * where this build has vdpbf16ps; float32 panels, and the AVX2 and widening builds (which
+ * take a group whole or panels one at a time), keep every group whole. */
+#if defined(CONVEYOR_DPBF16)
+#define SPLIT_BF16 1
+#else
+#define SPLIT_BF16 0
+#endif
+static inline int split_group(int64_t g, int64_t panels, int group, int split)
 {
-    return (p / group) * group * lines + p % group;
+    const int64_t whole = panels / group;
+    return split && group == PANEL_GROUP && whole % 2 == 1 && g == whole / 2;
 }
-static inline int64_t panel_qs(int64_t p, int64_t panels, int group)
+
+/* The line index of panel p's first line, `lines` lines a panel, `panels` of them, and the
+ * lines between two of its consecutive lines (the panels in its group, or half-group). */
+static inline int64_t panel_line0(int64_t p, int64_t lines, int64_t panels, int group, int split)
 {
+    const int64_t g = p / group, first = g * group * lines;
+    if (split_group(g, panels, group, split)) {
+        const int half = group / 2;
+        return first + (p % group) / half * half * lines + p % half;
+    }
+    return first + p % group;
+}
+static inline int64_t panel_qs(int64_t p, int64_t panels, int group, int split)
+{
+    if (split_group(p / group, panels, group, split)) return group / 2;
     const int64_t rest = panels - (p / group) * group;
     return rest < group ? rest : group;
 }
@@ -217,9 +243,11 @@ static inline __attribute__((always_inline)) void store_row(float *o, int cols, 
     (w0 = _mm256_loadu_ps(LINE_AT(panel, kk, qs)), w1 = _mm256_loadu_ps(LINE_AT(panel, kk, qs) + 8))
 #define LOAD_W512(panel, kk, odd, qs) _mm512_loadu_ps(LINE_AT(panel, kk, qs))
 #define W_AT(panel, kk, j, qs) (LINE_AT(panel, kk, qs)[j])
+#define W_SPLIT 0 /* float32 groups are never split */
 #include "linear_gemm.h"
 #undef GEMM_FN
 #undef W_T
+#undef W_SPLIT
 #undef SUFFIX
 #undef KSTEP
 #undef K_PER_LINE
@@ -271,9 +299,11 @@ static inline float bf16_at(const uint16_t *line, int64_t kk, int j)
 #else
 #define GEMM_FN conveyor_linear_bf16
 #endif
+#define W_SPLIT SPLIT_BF16 /* CpuLinear's layout for this build's bf16 panels */
 #include "linear_gemm.h"
 #undef GEMM_FN
 #undef W_T
+#undef W_SPLIT
 #undef SUFFIX
 #undef KSTEP
 #undef K_PER_LINE
@@ -443,8 +473,8 @@ static void few_rows_dp(const uint32_t *xp, int64_t xs, int64_t kp, int64_t qc, 
         for (int64_t j = p; j < p + np; j += tail ? 1 : np) {
             const int64_t last = tail ? j : j + np - 1;
             const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
-            const int64_t qs = panel_qs(j, panels, PANEL_GROUP) * 2 * NR;
-            const uint16_t *panel = packed + panel_line0(j, kp, PANEL_GROUP) * 2 * NR + q0 * qs;
+            const int64_t qs = panel_qs(j, panels, PANEL_GROUP, 1) * 2 * NR;
+            const uint16_t *panel = packed + panel_line0(j, kp, panels, PANEL_GROUP, 1) * 2 * NR + q0 * qs;
             const float *pb = bias ? bias + j * NR : 0;
             if (tail) {
                 micros_dp[mb](xp + q0 * xs, xs, 0, panel, qs, qb, pb, q0 == 0, 1, out + j * NR,
@@ -476,8 +506,8 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
         gemm_grouped_bf16(x, ldx, m, packed, n, k, bias, out, ldo, num_threads, group);
         return;
     }
-#define PANEL(p) (packed + panel_line0(p, kp, group) * 2 * NR) /* its pair 0 */
-#define QS(p) (panel_qs(p, panels, group) * 2 * NR)
+#define PANEL(p) (packed + panel_line0(p, kp, panels, group, 1) * 2 * NR) /* its pair 0 */
+#define QS(p) (panel_qs(p, panels, group, 1) * 2 * NR)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mb = m - m0 < MC ? m - m0 : MC;
         /* x's pairs: a few rows side by side (pair q of row r at xp[q mb + r], so one row's
@@ -500,9 +530,9 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
                 const int64_t end = items * (t + 1) / threads;
                 for (int64_t u = items * t / threads; u < end;) {
                     const int64_t p = u < halves ? u * HALF_P : halves * HALF_P;
-                    const int64_t np = u >= halves                      ? panels - p
-                                       : u % 2 == 0 && u + 1 < end ? WIDE_P
-                                                                        : HALF_P;
+                    const int whole_group = u % 2 == 0 && u + 1 < end &&
+                                            !split_group(u / 2, panels, WIDE_P, 1);
+                    const int64_t np = u >= halves ? panels - p : whole_group ? WIDE_P : HALF_P;
                     few_rows_dp(xp, xs, kp, qc, mb, p, np, u >= halves, packed, panels, n, bias,
                                 out + m0 * ldo, ldo);
                     u += u >= halves ? 1 : np / HALF_P;
@@ -654,8 +684,8 @@ int conveyor_linear_rows(const void *packed, int bf16, int64_t n, int64_t k, con
 #pragma omp parallel for num_threads(num_threads) if (count * k >= PACK_PARALLEL_MIN)
     for (int64_t i = 0; i < count; i++) {
         const int col = (int)(ids[i] % NR);
-        const int64_t p = ids[i] / NR, line0 = panel_line0(p, lines, PANEL_GROUP);
-        const int64_t step = panel_qs(p, panels, PANEL_GROUP) * NR; /* elements a line apart */
+        const int64_t p = ids[i] / NR, line0 = panel_line0(p, lines, panels, PANEL_GROUP, bf16 && SPLIT_BF16);
+        const int64_t step = panel_qs(p, panels, PANEL_GROUP, bf16 && SPLIT_BF16) * NR; /* elements a line apart */
         float *o = out + i * ldo;
         if (bf16) {
             const uint16_t *w = (const uint16_t *)packed + line0 * NR * 2;

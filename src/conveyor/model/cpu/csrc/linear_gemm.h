@@ -209,20 +209,23 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t p0 = g * WIDE_P;
                 const int64_t np = panels - p0 < WIDE_P ? panels - p0 : WIDE_P;
+                /* a whole group's four panels at once (not a middle group stored as two halves,
+                 * linear.c's split_group: its panels one at a time) */
+                const int whole = np == WIDE_P && !split_group(g, panels, group, W_SPLIT);
                 for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += KC) { /* K = 0: the bias */
                     const int64_t kb = k - k0 < KC ? k - k0 : KC;
-                    for (int64_t p = p0; p < p0 + np; p += (np == WIDE_P ? WIDE_P : 1)) {
-                        const int64_t last = np == WIDE_P ? p + WIDE_P - 1 : p;
+                    for (int64_t p = p0; p < p0 + np; p += (whole ? WIDE_P : 1)) {
+                        const int64_t last = whole ? p + WIDE_P - 1 : p;
                         const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
-                        const int64_t qs = panel_qs(p, panels, group) * LINE_ELEMS;
+                        const int64_t qs = panel_qs(p, panels, group, W_SPLIT) * LINE_ELEMS;
                         const W_T *panel =
-                            LINE_AT(packed + panel_line0(p, lines, group) * LINE_ELEMS, k0, qs);
+                            LINE_AT(packed + panel_line0(p, lines, panels, group, W_SPLIT) * LINE_ELEMS, k0, qs);
                         const float *pbias = bias ? bias + p * NR : 0;
                         float *o = out + m0 * ldo + p * NR;
                         /* one group (WIDE_P is PANEL_GROUP), or panels one to a group */
                         const int64_t pstride = (group == 1 ? lines : 1) * LINE_ELEMS;
 #if defined(CONVEYOR_GEMM512)
-                        if (np == WIDE_P)
+                        if (whole)
                             for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
                                 WIDES_TABLE[mb - r < WIDE_R ? mb - r : WIDE_R](
                                     xb + k0 * xstride + r, xstride, pstride, panel, qs, kb, pbias,
@@ -232,7 +235,7 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                                              k0 == 0, 1, o, ldo, cols);
 #else
                         const float *xr = x + m0 * ldx + k0;
-                        if (np == WIDE_P)
+                        if (whole)
                             for (int64_t r = 0; r < mb; r++) /* the first one prefetches */
                                 WIDE_FN(1)(xr + r * ldx, pstride, panel, qs, kb, pbias, k0 == 0,
                                            r == 0, o + r * ldo, cols);
@@ -252,8 +255,8 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
             const float *pbias = bias ? bias + p * NR : 0;
             float *o = out + m0 * ldo + p * NR;
-            const int64_t qs = panel_qs(p, panels, group) * LINE_ELEMS;
-            const W_T *first_line = packed + panel_line0(p, lines, group) * LINE_ELEMS;
+            const int64_t qs = panel_qs(p, panels, group, W_SPLIT) * LINE_ELEMS;
+            const W_T *first_line = packed + panel_line0(p, lines, panels, group, W_SPLIT) * LINE_ELEMS;
             for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += KC) { /* K = 0: the bias */
                 const int64_t kb = k - k0 < KC ? k - k0 : KC;
                 /* k0 is a multiple of KC, so even: a whole pair in bf16's layout */
@@ -280,8 +283,8 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                         ahead = LINE_AT(first_line, k0 + KC, qs);
                         ahead_kb = k - k0 - KC < KC ? k - k0 - KC : KC;
                     } else if (fetch && p + 1 < panels &&
-                               panel_qs(p + 1, panels, group) * LINE_ELEMS == qs) {
-                        ahead = packed + panel_line0(p + 1, lines, group) * LINE_ELEMS;
+                               panel_qs(p + 1, panels, group, W_SPLIT) * LINE_ELEMS == qs) {
+                        ahead = packed + panel_line0(p + 1, lines, panels, group, W_SPLIT) * LINE_ELEMS;
                         ahead_kb = k < KC ? k : KC;
                     }
                     MICROS_TABLE[rows](x + (m0 + r) * ldx + k0, ldx, panel, qs, kb, pbias,
@@ -308,8 +311,8 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t p = 0; p < panels; p++) {
         const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-        const int64_t qs = panel_qs(p, panels, group) * LINE_ELEMS;
-        const W_T *panel = packed + panel_line0(p, lines, group) * LINE_ELEMS;
+        const int64_t qs = panel_qs(p, panels, group, W_SPLIT) * LINE_ELEMS;
+        const W_T *panel = packed + panel_line0(p, lines, panels, group, W_SPLIT) * LINE_ELEMS;
         for (int64_t r0 = 0; r0 < m; r0 += PR) {
             const int rows = (int)(m - r0 < PR ? m - r0 : PR);
             float acc[PR][NR];
