@@ -474,7 +474,8 @@ static void few_rows_dp(const uint32_t *xp, int64_t xs, int64_t kp, int64_t qc, 
             const int64_t last = tail ? j : j + np - 1;
             const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
             const int64_t qs = panel_qs(j, panels, PANEL_GROUP, 1) * 2 * NR;
-            const uint16_t *panel = packed + panel_line0(j, kp, panels, PANEL_GROUP, 1) * 2 * NR + q0 * qs;
+            const uint16_t *panel =
+                packed + panel_line0(j, kp, panels, PANEL_GROUP, 1) * 2 * NR + q0 * qs;
             const float *pb = bias ? bias + j * NR : 0;
             if (tail) {
                 micros_dp[mb](xp + q0 * xs, xs, 0, panel, qs, qb, pb, q0 == 0, 1, out + j * NR,
@@ -684,8 +685,10 @@ int conveyor_linear_rows(const void *packed, int bf16, int64_t n, int64_t k, con
 #pragma omp parallel for num_threads(num_threads) if (count * k >= PACK_PARALLEL_MIN)
     for (int64_t i = 0; i < count; i++) {
         const int col = (int)(ids[i] % NR);
-        const int64_t p = ids[i] / NR, line0 = panel_line0(p, lines, panels, PANEL_GROUP, bf16 && SPLIT_BF16);
-        const int64_t step = panel_qs(p, panels, PANEL_GROUP, bf16 && SPLIT_BF16) * NR; /* elements a line apart */
+        const int split = bf16 && SPLIT_BF16; /* CpuLinear's layout for bf16 panels */
+        const int64_t p = ids[i] / NR, line0 = panel_line0(p, lines, panels, PANEL_GROUP, split);
+        /* elements a line apart */
+        const int64_t step = panel_qs(p, panels, PANEL_GROUP, split) * NR;
         float *o = out + i * ldo;
         if (bf16) {
             const uint16_t *w = (const uint16_t *)packed + line0 * NR * 2;

@@ -218,8 +218,8 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                         const int64_t last = whole ? p + WIDE_P - 1 : p;
                         const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
                         const int64_t qs = panel_qs(p, panels, group, W_SPLIT) * LINE_ELEMS;
-                        const W_T *panel =
-                            LINE_AT(packed + panel_line0(p, lines, panels, group, W_SPLIT) * LINE_ELEMS, k0, qs);
+                        const int64_t line0 = panel_line0(p, lines, panels, group, W_SPLIT);
+                        const W_T *panel = LINE_AT(packed + line0 * LINE_ELEMS, k0, qs);
                         const float *pbias = bias ? bias + p * NR : 0;
                         float *o = out + m0 * ldo + p * NR;
                         /* one group (WIDE_P is PANEL_GROUP), or panels one to a group */
@@ -256,7 +256,8 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
             const float *pbias = bias ? bias + p * NR : 0;
             float *o = out + m0 * ldo + p * NR;
             const int64_t qs = panel_qs(p, panels, group, W_SPLIT) * LINE_ELEMS;
-            const W_T *first_line = packed + panel_line0(p, lines, panels, group, W_SPLIT) * LINE_ELEMS;
+            const W_T *first_line =
+                packed + panel_line0(p, lines, panels, group, W_SPLIT) * LINE_ELEMS;
             for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += KC) { /* K = 0: the bias */
                 const int64_t kb = k - k0 < KC ? k - k0 : KC;
                 /* k0 is a multiple of KC, so even: a whole pair in bf16's layout */
@@ -284,7 +285,8 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                         ahead_kb = k - k0 - KC < KC ? k - k0 - KC : KC;
                     } else if (fetch && p + 1 < panels &&
                                panel_qs(p + 1, panels, group, W_SPLIT) * LINE_ELEMS == qs) {
-                        ahead = packed + panel_line0(p + 1, lines, panels, group, W_SPLIT) * LINE_ELEMS;
+                        ahead =
+                            packed + panel_line0(p + 1, lines, panels, group, W_SPLIT) * LINE_ELEMS;
                         ahead_kb = k < KC ? k : KC;
                     }
                     MICROS_TABLE[rows](x + (m0 + r) * ldx + k0, ldx, panel, qs, kb, pbias,
