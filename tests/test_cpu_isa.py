@@ -26,16 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # zmm GEMM with bf16 weights widened, and with vdpbf16ps (also a long GGUF prefill's GEMM on
 # dequantized bf16 panels); the quantized dot products' 512-bit
 # maddubs (x86-64-v4 has no VNNI; a native build on an AVX-512 VNNI CPU takes the 512-bit
-# dpbusd paths in every other test); the decoder layers fused in one C call stay bit for bit
-# the modules' on each.
+# dpbusd paths in every other test); the decoder layers fused in one C call (one OpenMP
+# region, every kernel's team form) stay bit for bit the modules' on each.
 ISA_TESTS = {
     "portable": [
         "tests/test_cpu_kernels.py",
         "tests/test_linear.py",
         "tests/test_quant_linear.py",
+        "tests/test_fused_layers.py",
         "tests/test_parity.py::test_greedy_parity_with_ample_kv[llama]",
     ],
-    "avx2": ["tests/test_quant_linear.py", "tests/test_linear.py"],
+    "avx2": ["tests/test_quant_linear.py", "tests/test_linear.py", "tests/test_fused_layers.py"],
     "avx512": ["tests/test_linear.py", "tests/test_fused_layers.py", "tests/test_quant_linear.py"],
     "avx512bf16": [
         "tests/test_linear.py",

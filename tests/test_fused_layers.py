@@ -34,9 +34,10 @@ def _llm(case: str, root, tokenizer_dir) -> LLM:
     path = write_checkpoint(root / "hf", family, tokenizer_dir, **overrides)
     if qtype is not None:
         path = write_gguf(path, root / f"{case}.gguf", qtype)
+    # our GEMM even where "auto" takes oneDNN (a portable build: tests/test_cpu_isa.py)
     return LLM(
         str(path), enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=64,
-        num_kv_blocks=64, **kwargs,
+        num_kv_blocks=64, linear_backend="cpu", **kwargs,
     )  # fmt: skip
 
 
@@ -71,6 +72,25 @@ def test_one_call_for_every_layer_is_bit_for_bit_the_modules(case, tmp_path, tin
         # takes the dequantized GEMM (the modules)
         assert max(calls) < fused._gemm_rows
     assert got == _run(llm, fused=False)  # token ids and every logprob, exactly
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("case", ["qwen2-bias-bf16", "llama-q4_k"])
+def test_the_one_region_gives_the_same_bits_on_any_number_of_threads(
+    case, threads, tmp_path, tiny_tokenizer_dir
+):
+    """The step's one OpenMP region splits each kernel's work among however many threads
+    torch has (three: the decode GEMM's halves of groups do not split evenly); the results
+    are the modules' on the usual two."""
+    llm = _llm(case, tmp_path, tiny_tokenizer_dir)
+    want = _run(llm, fused=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _run(llm, fused=True)
+    finally:
+        torch.set_num_threads(before)
+    assert got == want
 
 
 def test_models_it_cannot_run_keep_the_modules(tmp_path, tiny_tokenizer_dir):

@@ -105,6 +105,7 @@ static inline int64_t panel_qs(int64_t p, int64_t panels, int group, int split)
 #define KC 256 /* a panel's block: 16 KiB of float32 (or of bf16 pairs in vdpbf16ps's loop) */
 #define PARALLEL_MIN_FLOPS (1 << 16)
 #define PACK_PARALLEL_MIN (1 << 15) /* x's values rounded and spread by every thread */
+#define OWN_PACK_WORDS 8192 /* x packed by each thread on its own stack (32 KiB): a decode step */
 
 #if defined(CONVEYOR_GEMM512)
 /* 32 zmm registers: MR accumulators, the panel's zmm and the broadcast x. */
@@ -492,19 +493,29 @@ static void few_rows_dp(const uint32_t *xp, int64_t xs, int64_t kp, int64_t qc, 
 }
 
 /* out = x . W^T + bias on bf16 panels in groups of `group` (PANEL_GROUP: CpuLinear's; 1:
- * quant_gemm.c's slices). */
-void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
-                                  int64_t n, int64_t k, const float *bias, float *out,
-                                  int64_t ldo, int num_threads, int group)
+ * quant_gemm.c's slices). Every thread of the running parallel region's team calls it (one
+ * thread alone where the work is too small to split), as linear_gemm.h's GEMM_TEAM: x's rows
+ * are rounded into one thread's buffer, the threads split the panels, and it returns after
+ * the team's barrier. */
+static void linear_bf16_team(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
+                             int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
+                             int group)
 {
     const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, qc = KC;
-    const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
     /* a block of rows in packed pairs */
     const size_t block_rows = (size_t)((m < MC ? m : MC) + MR - 1) / MR * MR;
     const size_t words = block_rows * (size_t)(kp ? kp : 1);
-    uint32_t *xp = pack_buffer(words * sizeof *xp);
+    /* A few short rows (a decode step): each thread rounds them into a buffer of its own on its
+     * stack, so the team meets once, at the end, not also after one thread's rounding. */
+    const int own = m <= WIDE2_R && m * kp <= OWN_PACK_WORDS;
+    uint32_t own_xp[own ? m * kp : 1];
+    uint32_t *xp = own_xp;
+    if (!own) {
+        #pragma omp single copyprivate(xp)
+        xp = pack_buffer(words * sizeof *xp);
+    }
     if (!xp) { /* no memory for the rounded rows: the widening kernel packs on the stack */
-        gemm_grouped_bf16(x, ldx, m, packed, n, k, bias, out, ldo, num_threads, group);
+        gemm_team_bf16(x, ldx, m, packed, n, k, bias, out, ldo, group);
         return;
     }
 #define PANEL(p) (packed + panel_line0(p, kp, panels, group, 1) * 2 * NR) /* its pair 0 */
@@ -514,10 +525,17 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
         /* x's pairs: a few rows side by side (pair q of row r at xp[q mb + r], so one row's
          * pairs share cache lines, which the other threads read), more in blocks of MR */
         const int64_t xs = mb <= WIDE2_R ? mb : MR;
-        #pragma omp parallel for num_threads(num_threads) schedule(static) \
-            if (parallel && mb * k >= PACK_PARALLEL_MIN)
-        for (int64_t r = 0; r < mb; r++)
-            pack_pairs_row(x + (m0 + r) * ldx, k, xp + (r / xs) * xs * kp + r % xs, xs);
+        if (own) {
+            for (int64_t r = 0; r < mb; r++) pack_pairs_row(x + (m0 + r) * ldx, k, xp + r, xs);
+        } else if (mb * k >= PACK_PARALLEL_MIN) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < mb; r++)
+                pack_pairs_row(x + (m0 + r) * ldx, k, xp + (r / xs) * xs * kp + r % xs, xs);
+        } else {
+            #pragma omp single
+            for (int64_t r = 0; r < mb; r++)
+                pack_pairs_row(x + (m0 + r) * ldx, k, xp + (r / xs) * xs * kp + r % xs, xs);
+        }
         if (mb <= WIDE2_R && group == WIDE_P) {
             /* A few rows on CpuLinear's groups: each thread takes an equal share of the
              * groups' halves (the panels left over after the last whole group count as one
@@ -525,7 +543,6 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
              * an odd number of groups does not leave one thread a group more to read. */
             const int64_t whole = panels / WIDE_P, halves = 2 * whole;
             const int64_t items = halves + (panels > whole * WIDE_P);
-            #pragma omp parallel num_threads(num_threads) if (parallel)
             {
                 const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
                 const int64_t end = items * (t + 1) / threads;
@@ -539,11 +556,12 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
                     u += u >= halves ? 1 : np / HALF_P;
                 }
             }
+            #pragma omp barrier
             continue;
         }
         if (mb <= WIDE2_R) { /* a few rows: WIDE_P panels at a time, WIDE_R rows at a time */
             const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
-            #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+            #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t p0 = g * WIDE_P;
                 const int64_t np = panels - p0 < WIDE_P ? panels - p0 : WIDE_P;
@@ -574,7 +592,7 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
         /* whole groups of TP full panels through tile_dp, TR rows at a time; the rest
          * (the last panels, a remainder of rows) through the micro-kernels */
         const int64_t full = n / NR, groups = mb >= TILE_MIN_ROWS ? full / TP : 0;
-        #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+        #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t p = g * TP;
             const uint16_t *first[TP];
@@ -595,7 +613,7 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
                                       out + (m0 + r) * ldo + (p + j) * NR, ldo, NR);
             }
         }
-        #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+        #pragma omp for schedule(static)
         for (int64_t p = groups * TP; p < panels; p++) {
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
             const float *pbias = bias ? bias + p * NR : 0;
@@ -614,6 +632,16 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
     }
 #undef PANEL
 #undef QS
+}
+
+/* linear_bf16_team on a team of its own: num_threads, or one thread for too little work. */
+void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
+                                  int64_t n, int64_t k, const float *bias, float *out,
+                                  int64_t ldo, int num_threads, int group)
+{
+    const int parallel = n > NR && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
+    #pragma omp parallel num_threads(num_threads) if (parallel)
+    linear_bf16_team(x, ldx, m, packed, n, k, bias, out, ldo, group);
 }
 
 void conveyor_linear_bf16(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
@@ -643,6 +671,25 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
 }
 
 #endif
+
+/* conveyor_linear_f32 and conveyor_linear_bf16 for a caller already running a parallel region
+ * (decoder_layers.c): every thread of its team calls them with the same arguments, and they
+ * return after the team's barrier with out written. */
+void cv_linear_f32_team(const float *x, int64_t ldx, int64_t m, const float *packed,
+                        int64_t n, int64_t k, const float *bias, float *out, int64_t ldo)
+{
+    gemm_team_f32(x, ldx, m, packed, n, k, bias, out, ldo, PANEL_GROUP);
+}
+
+void cv_linear_bf16_team(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
+                         int64_t n, int64_t k, const float *bias, float *out, int64_t ldo)
+{
+#if defined(CONVEYOR_DPBF16)
+    linear_bf16_team(x, ldx, m, packed, n, k, bias, out, ldo, PANEL_GROUP);
+#else
+    gemm_team_bf16(x, ldx, m, packed, n, k, bias, out, ldo, PANEL_GROUP);
+#endif
+}
 
 /* Whether this build's GEMM is a vector kernel (AVX2 + FMA or above; else the portable
  * loop above). */

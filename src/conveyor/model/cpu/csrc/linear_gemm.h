@@ -23,6 +23,7 @@
 #define WIDE_FN(R) CAT(CAT(wide, R), SUFFIX)
 #define WIDES_TABLE CAT(wides, SUFFIX)
 #define GEMM_GROUPED CAT(gemm_grouped, SUFFIX)
+#define GEMM_TEAM CAT(gemm_team, SUFFIX)
 #define LINE_ELEMS (64 / (int64_t)sizeof(W_T))
 
 #if defined(CONVEYOR_GEMM512)
@@ -179,24 +180,37 @@ static void (*const MICROS_TABLE[MR + 1])(const float *, int64_t, const W_T *, i
 #undef MICRO
 
 /* out[m, n] = x[m, k] . W^T + bias (bias may be NULL), the panels in groups of `group`
- * (PANEL_GROUP, or 1). */
-static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n,
-                         int64_t k, const float *bias, float *out, int64_t ldo, int num_threads,
-                         int group)
+ * (PANEL_GROUP, or 1). Every thread of the running parallel region's team calls it (one
+ * thread alone where the work is too small to split): the threads split the panels, and it
+ * returns after the team's barrier (GEMM_GROUPED below, or decoder_layers.c's one region). */
+static void GEMM_TEAM(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n,
+                      int64_t k, const float *bias, float *out, int64_t ldo, int group)
 {
     const int64_t panels = (n + NR - 1) / NR, lines = KSTEP(k) / K_PER_LINE;
-    const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
 #if defined(CONVEYOR_GEMM512)
-    /* x's block of rows packed once for every panel (NULL: packed per micro-kernel call) */
+    /* x's block of rows packed once for every panel, by one thread into its buffer (NULL:
+     * packed per micro-kernel call); a few short rows (a decode step) by each thread into a
+     * buffer of its own on its stack, so the team meets once, at the end */
     const size_t block_rows = (size_t)((m < MC ? m : MC) + MR - 1) / MR * MR;
-    float *xb = pack_buffer(block_rows * (size_t)(k > 0 ? k : 1) * sizeof(float));
+    const int own = m <= WIDE2_R && m * k <= OWN_PACK_WORDS;
+    float own_xb[own ? m * k : 1];
+    float *xb = own_xb;
+    if (!own) {
+        #pragma omp single copyprivate(xb)
+        xb = pack_buffer(block_rows * (size_t)(k > 0 ? k : 1) * sizeof(float));
+    }
 #endif
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mb = m - m0 < MC ? m - m0 : MC;
 #if defined(CONVEYOR_GEMM512)
         /* a few rows side by side (one row's k contiguous), more in blocks of MR */
         const int64_t xstride = mb <= WIDE2_R ? mb : MR;
-        if (xb) pack_rows(x + m0 * ldx, ldx, mb, k, xb, xstride);
+        if (own) {
+            pack_rows(x + m0 * ldx, ldx, mb, k, xb, xstride);
+        } else {
+            #pragma omp single
+            if (xb) pack_rows(x + m0 * ldx, ldx, mb, k, xb, xstride);
+        }
 #endif
 #if defined(CONVEYOR_GEMM512)
         if (mb <= WIDE2_R && xb) { /* a few rows: WIDE_P panels, WIDE_R rows at a time */
@@ -205,7 +219,7 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
         if (mb <= (K_PER_LINE == 1 ? WIDE2_R_F32 : WIDE2_R_BF16)) {
 #endif
             const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
-            #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+            #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t p0 = g * WIDE_P;
                 const int64_t np = panels - p0 < WIDE_P ? panels - p0 : WIDE_P;
@@ -250,7 +264,7 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
             }
             continue;
         }
-        #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+        #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
             const float *pbias = bias ? bias + p * NR : 0;
@@ -303,14 +317,12 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
 /* Portable build (no AVX2 + FMA: CONVEYOR_CPU_ISA=portable, an older x86-64, aarch64): the
  * same panels and the same sum per output (bias first, then k in order), PR rows at a time so
  * each weight load serves PR rows; the compiler vectorises the 16 columns with what the target
- * has (SSE2, NEON). */
-static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n,
-                         int64_t k, const float *bias, float *out, int64_t ldo, int num_threads,
-                         int group)
+ * has (SSE2, NEON). Called by a team as above. */
+static void GEMM_TEAM(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n,
+                      int64_t k, const float *bias, float *out, int64_t ldo, int group)
 {
     const int64_t panels = (n + NR - 1) / NR, lines = KSTEP(k) / K_PER_LINE;
-    const int parallel = panels > 1 && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
         const int64_t qs = panel_qs(p, panels, group, W_SPLIT) * LINE_ELEMS;
@@ -338,6 +350,16 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
 
 #endif
 
+/* GEMM_TEAM on a team of its own: num_threads, or one thread for too little work. */
+static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n,
+                         int64_t k, const float *bias, float *out, int64_t ldo, int num_threads,
+                         int group)
+{
+    const int parallel = n > NR && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
+    #pragma omp parallel num_threads(num_threads) if (parallel)
+    GEMM_TEAM(x, ldx, m, packed, n, k, bias, out, ldo, group);
+}
+
 /* The entry point: CpuLinear's panels, in groups of PANEL_GROUP. */
 void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,
              const float *bias, float *out, int64_t ldo, int num_threads)
@@ -349,6 +371,7 @@ void GEMM_FN(const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t 
 #undef K_STEP512
 #undef LINE_ELEMS
 #undef GEMM_GROUPED
+#undef GEMM_TEAM
 #undef MICRO_FN
 #undef MICROS_TABLE
 #undef WIDE_FN

@@ -26,6 +26,7 @@
  * accumulators held in registers. Otherwise a portable loop does the same sums.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

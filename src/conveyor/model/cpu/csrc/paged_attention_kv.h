@@ -115,7 +115,9 @@ static void KV(task_generic)(const float *qh, float *oh, const KV_T *k, const KV
 
 /* Copies this step's new K and V rows into the cache: token t's Hkv x D values go to slot
  * slots[t] (a flat index over num_blocks x block_size). Run before any row attends, so a
- * prefill token sees the keys of its own chunk. */
+ * prefill token sees the keys of its own chunk. Its loop is schedule(static) over the n_new
+ * tokens, so in a team each thread copies the same tokens as in any other static loop over
+ * as many (decoder_layers.c rotates the rows that way, with no barrier in between). */
 static int KV(write_new_kv)(KV_T *k_cache, KV_T *v_cache, const float *new_k, int64_t k_stride,
                         const float *new_v, int64_t v_stride, const int64_t *slots,
                         int64_t n_new, int64_t num_slots, int64_t stride)
@@ -133,34 +135,29 @@ static int KV(write_new_kv)(KV_T *k_cache, KV_T *v_cache, const float *new_k, in
     return failed;
 }
 
-/* Returns 0, or a sum of: 1 when a work buffer could not be allocated, 2 when a row's key
- * range is empty or longer than max_keys (out is then incomplete), 4 when a new token's slot
- * is outside [0, num_slots) (that token is not written).
- *
- * Work is split over OpenMP threads by (row, KV head) tasks. With at least two rows a thread,
+/* Work is split over OpenMP threads by (row, KV head) tasks. With at least two rows a thread,
  * a thread takes all of a row's KV heads in turn, so it reads each token's whole cache row
  * (Hkv x D contiguous floats) rather than a quarter of it at a 1 KiB stride while the other
  * thread reads the rest: faster once the cache is out of L3 (the in-situ case, where each
  * layer's weights stream through between two attention calls; docs/kernels.md#measured-choices). With fewer
- * rows than threads the heads are split, so a lone decode still uses every thread. */
-int KV(conveyor_paged_attention)(
-    const float *q, int64_t q_row_stride,     /* [*, Hq * D]: query row rows[i] */
-    float *out, int64_t out_row_stride,       /* written at the same rows */
-    KV_T *k_cache, KV_T *v_cache,
-    const int32_t *block_tables, int64_t bt_stride,
-    const int32_t *key_begin,                 /* [n] first key of row i, or NULL: 0 */
-    const int32_t *key_end,                   /* [n] one past its last key (> key_begin) */
-    const int64_t *rows, const int64_t *batch, int64_t n, /* row i's block table: batch[i] */
-    int hq, int hkv, int d, int block_size, int max_keys, float scale, int num_threads,
-    const float *new_k, int64_t new_k_stride, /* [n_new, Hkv * D] rows written first */
-    const float *new_v, int64_t new_v_stride,
-    const int64_t *slots, int64_t n_new,      /* [n_new] their cache slots */
-    int64_t num_slots)                        /* num_blocks x block_size */
+ * rows than threads the heads are split, so a lone decode still uses every thread.
+ *
+ * This is the kernel's body for a caller already running a parallel region (decoder_layers.c,
+ * and the entry point below): every thread of the team calls it with the same arguments and
+ * it returns after the team's last barrier; the failure bits of every thread are ORed into
+ * *team_failed (shared, zero before), which each thread may read on return. */
+void KV(cv_paged_attention_team)(
+    const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride, KV_T *k_cache,
+    KV_T *v_cache, const int32_t *block_tables, int64_t bt_stride, const int32_t *key_begin,
+    const int32_t *key_end, const int64_t *rows, const int64_t *batch, int64_t n, int hq,
+    int hkv, int d, int block_size, int max_keys, float scale, const float *new_k,
+    int64_t new_k_stride, const float *new_v, int64_t new_v_stride, const int64_t *slots,
+    int64_t n_new, int64_t num_slots, int *team_failed)
 {
     const int g = hq / hkv;
     const int64_t stride = (int64_t)hkv * d; /* elements from one token's row to the next */
+    const int num_threads = omp_get_num_threads();
     int failed = 0;
-    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
         /* Per thread: one task's scores (G rows), token slots and an accumulator row. */
         float *scores = malloc(sizeof(float) * (size_t)g * (size_t)max_keys);
@@ -172,7 +169,7 @@ int KV(conveyor_paged_attention)(
                                n_new, num_slots, stride); /* ends in a barrier */
         const int64_t chunk = n >= 2 * (int64_t)num_threads ? hkv : 1;
         int64_t slots_of = -1; /* the row whose slots `slot` holds */
-        #pragma omp for schedule(dynamic, chunk)
+        #pragma omp for schedule(dynamic, chunk) nowait /* the barrier is after the OR below */
         for (int64_t task = 0; task < n * hkv; task++) {
             const int64_t i = task / hkv;
             const int h = (int)(task % hkv);
@@ -205,5 +202,35 @@ int KV(conveyor_paged_attention)(
         free(slot);
         free(acc);
     }
+    if (failed) {
+        #pragma omp atomic
+        *team_failed |= failed;
+    }
+    #pragma omp barrier /* every task's out and every thread's bits */
+}
+
+/* Returns 0, or a sum of: 1 when a work buffer could not be allocated, 2 when a row's key
+ * range is empty or longer than max_keys (out is then incomplete), 4 when a new token's slot
+ * is outside [0, num_slots) (that token is not written). */
+int KV(conveyor_paged_attention)(
+    const float *q, int64_t q_row_stride,     /* [*, Hq * D]: query row rows[i] */
+    float *out, int64_t out_row_stride,       /* written at the same rows */
+    KV_T *k_cache, KV_T *v_cache,
+    const int32_t *block_tables, int64_t bt_stride,
+    const int32_t *key_begin,                 /* [n] first key of row i, or NULL: 0 */
+    const int32_t *key_end,                   /* [n] one past its last key (> key_begin) */
+    const int64_t *rows, const int64_t *batch, int64_t n, /* row i's block table: batch[i] */
+    int hq, int hkv, int d, int block_size, int max_keys, float scale, int num_threads,
+    const float *new_k, int64_t new_k_stride, /* [n_new, Hkv * D] rows written first */
+    const float *new_v, int64_t new_v_stride,
+    const int64_t *slots, int64_t n_new,      /* [n_new] their cache slots */
+    int64_t num_slots)                        /* num_blocks x block_size */
+{
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    KV(cv_paged_attention_team)(q, q_row_stride, out, out_row_stride, k_cache, v_cache,
+                                block_tables, bt_stride, key_begin, key_end, rows, batch, n, hq,
+                                hkv, d, block_size, max_keys, scale, new_k, new_k_stride, new_v,
+                                new_v_stride, slots, n_new, num_slots, &failed);
     return failed;
 }

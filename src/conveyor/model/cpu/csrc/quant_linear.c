@@ -91,14 +91,15 @@ static inline void quantize_block512(const float *v, q8a_block *o, float *rest)
 #endif
 
 /* Quantize m rows of x [m, k] (k a multiple of 32) into out: `passes` (1 or 2) sets of m rows
- * of k / 32 Q8A blocks, the second one the first's rounding error. */
-void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
-                               int passes, int num_threads)
+ * of k / 32 Q8A blocks, the second one the first's rounding error. Every thread of the
+ * running parallel region's team calls it (decoder_layers.c, or the entry point below): the
+ * rows split among them, returning after the team's barrier. */
+void cv_quantize_q8a_team(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
+                          int passes)
 {
     const int64_t nb = k / QK;
     q8a_block *blocks = (q8a_block *)out;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) \
-        if (m * nb >= PARALLEL_MIN_BLOCKS)
+    #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * ldx + b * QK;
@@ -119,13 +120,18 @@ void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k
     }
 }
 
+void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
+                               int passes, int num_threads)
+{
+    #pragma omp parallel num_threads(num_threads) if (m * (k / QK) >= PARALLEL_MIN_BLOCKS)
+    cv_quantize_q8a_team(x, ldx, m, k, out, passes);
+}
+
 /* The activation sums quant_blocks.h describes (for Q6_K and Q8_0), passes x m rows of nb
  * blocks. */
-static void fill_xsum(int qtype, const q8a_block *x, int64_t rows, int64_t nb, int32_t *xsum,
-                      int num_threads)
+static void fill_xsum(int qtype, const q8a_block *x, int64_t rows, int64_t nb, int32_t *xsum)
 {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) \
-        if (rows * nb >= PARALLEL_MIN_BLOCKS)
+    #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows * nb; i++) {
         int32_t lo = 0, hi = 0;
         for (int j = 0; j < QK / 2; j++) lo += x[i].q[j], hi += x[i].q[QK / 2 + j];
@@ -146,10 +152,9 @@ static void fill_xsum(int qtype, const q8a_block *x, int64_t rows, int64_t nb, i
  * one row at a time (each row's result is the same either way, bit for bit). Returns 0, 1
  * for a type (or a K-quant width) this file does not handle, 3 when out of memory (nothing
  * written either way). */
-int conveyor_quant_linear_tiled_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n,
-                                    int64_t k, const void *xq, int64_t m, int passes,
-                                    const float *bias, float *out, int64_t ldo, int num_threads,
-                                    int max_tile)
+static int quant_linear_team(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
+                             const void *xq, int64_t m, int passes, const float *bias,
+                             float *out, int64_t ldo, int max_tile)
 {
     const int64_t nb = k / QK;
     if (!quant_type_fits(qtype, k)) return 1;
@@ -159,15 +164,15 @@ int conveyor_quant_linear_tiled_f32(int qtype, const uint8_t *w, int64_t ldw, in
     int32_t *xsum = 0;
     if (qtype == Q6_K || qtype == Q8_0) {
         const int64_t rows = (passes > 1 ? 2 : 1) * m;
+        #pragma omp single copyprivate(xsum)
         xsum = malloc((size_t)(rows * nb * 2) * sizeof *xsum);
         if (!xsum) return 3;
-        fill_xsum(qtype, x, rows, nb, xsum, num_threads);
+        fill_xsum(qtype, x, rows, nb, xsum);
     }
     /* a task: one group of sixteen weight rows against every activation row, a tile at a
      * time, the group's bytes staying in cache */
     const int64_t tasks = (n + QG - 1) / QG;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) \
-        if (tasks > 1 && m * n * nb >= PARALLEL_MIN_BLOCKS)
+    #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t j0 = QG * t, cols = n - j0 < QG ? n - j0 : QG;
         for (int64_t r0 = 0; r0 < m; r0 += tile) {
@@ -184,8 +189,37 @@ int conveyor_quant_linear_tiled_f32(int qtype, const uint8_t *w, int64_t ldw, in
                     out[(r0 + r) * ldo + j0 + i] = dots[QG * r + i] + (bias ? bias[j0 + i] : 0.f);
         }
     }
-    free(xsum);
+    #pragma omp single nowait
+    free(xsum); /* after the loop's barrier: no thread reads it any more */
     return 0;
+}
+
+int conveyor_quant_linear_tiled_f32(int qtype, const uint8_t *w, int64_t ldw, int64_t n,
+                                    int64_t k, const void *xq, int64_t m, int passes,
+                                    const float *bias, float *out, int64_t ldo, int num_threads,
+                                    int max_tile)
+{
+    const int64_t tasks = (n + QG - 1) / QG;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) \
+        if (tasks > 1 && m * n * (k / QK) >= PARALLEL_MIN_BLOCKS)
+    {
+        const int mine = quant_linear_team(qtype, w, ldw, n, k, xq, m, passes, bias, out, ldo,
+                                           max_tile);
+        #pragma omp master
+        failed = mine; /* the same in every thread */
+    }
+    return failed;
+}
+
+/* For a caller already running a parallel region (decoder_layers.c): every thread of its team
+ * calls it with the same arguments; it returns (the same value in each) after the team's
+ * barrier. */
+int cv_quant_linear_team(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
+                         const void *xq, int64_t m, int passes, const float *bias,
+                         float *out, int64_t ldo)
+{
+    return quant_linear_team(qtype, w, ldw, n, k, xq, m, passes, bias, out, ldo, QT);
 }
 
 /* conveyor_quant_linear_tiled_f32 with tiles of QT rows: what QuantLinear and the fused

@@ -6,7 +6,9 @@
  *     without:        out[i]      = x[i] * rsqrt(mean(x[i]^2) + eps) * w
  *
  * Rows are split over OpenMP threads only when there is enough work (a prefill), so a decode
- * step's few rows pay no fork/join.
+ * step's few rows pay no fork/join. The *_team functions are the same loops for a caller that
+ * already runs a parallel region (decoder_layers.c): every thread of the team calls them,
+ * they split the rows among the team and return after its barrier.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,12 +23,10 @@ static inline float inv_rms(const float *row, int hidden, float eps)
     return 1.f / sqrtf(ss / (float)hidden + eps);
 }
 
-void conveyor_add_rms_norm_f32(float *x, int64_t x_stride, float *residual, int64_t r_stride,
-                               const float *w, int64_t rows, int hidden, float eps,
-                               int num_threads)
+void cv_add_rms_norm_team(float *x, int64_t x_stride, float *residual, int64_t r_stride,
+                          const float *w, int64_t rows, int hidden, float eps)
 {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) \
-        if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows; i++) {
         float *xr = x + i * x_stride;
         float *rr = residual + i * r_stride;
@@ -38,11 +38,18 @@ void conveyor_add_rms_norm_f32(float *x, int64_t x_stride, float *residual, int6
     }
 }
 
-void conveyor_rms_norm_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride,
-                           const float *w, int64_t rows, int hidden, float eps, int num_threads)
+void conveyor_add_rms_norm_f32(float *x, int64_t x_stride, float *residual, int64_t r_stride,
+                               const float *w, int64_t rows, int hidden, float eps,
+                               int num_threads)
 {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) \
-        if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    #pragma omp parallel num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    cv_add_rms_norm_team(x, x_stride, residual, r_stride, w, rows, hidden, eps);
+}
+
+void cv_rms_norm_team(const float *x, int64_t x_stride, float *out, int64_t out_stride,
+                      const float *w, int64_t rows, int hidden, float eps)
+{
+    #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows; i++) {
         const float *xr = x + i * x_stride;
         float *orow = out + i * out_stride;
@@ -50,4 +57,11 @@ void conveyor_rms_norm_f32(const float *x, int64_t x_stride, float *out, int64_t
         #pragma omp simd
         for (int e = 0; e < hidden; e++) orow[e] = xr[e] * inv * w[e];
     }
+}
+
+void conveyor_rms_norm_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride,
+                           const float *w, int64_t rows, int hidden, float eps, int num_threads)
+{
+    #pragma omp parallel num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    cv_rms_norm_team(x, x_stride, out, out_stride, w, rows, hidden, eps);
 }

@@ -10,12 +10,15 @@
 
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
 
-void conveyor_rotary_f32(float *x, int64_t row_stride, int64_t rows, int num_heads, int d,
-                         const int64_t *positions, const float *cos_sin, int num_threads)
+/* Every thread of a running parallel region calls it (decoder_layers.c): the rows split among
+ * the team by OpenMP's static schedule, and it returns at once, with no barrier: a thread may
+ * go on to its own rows of another static loop over as many rows (the same rows, by
+ * OpenMP's rule for static schedules), and the team's next barrier completes them all. */
+void cv_rotary_team_nowait(float *x, int64_t row_stride, int64_t rows, int num_heads,
+                           int d, const int64_t *positions, const float *cos_sin)
 {
     const int half = d / 2;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) \
-        if (rows * num_heads * d >= PARALLEL_MIN_ELEMENTS)
+    #pragma omp for schedule(static) nowait
     for (int64_t i = 0; i < rows; i++) {
         const float *c = cos_sin + positions[i] * d;
         const float *s = c + half;
@@ -30,4 +33,11 @@ void conveyor_rotary_f32(float *x, int64_t row_stride, int64_t rows, int num_hea
             }
         }
     }
+}
+
+void conveyor_rotary_f32(float *x, int64_t row_stride, int64_t rows, int num_heads, int d,
+                         const int64_t *positions, const float *cos_sin, int num_threads)
+{
+    #pragma omp parallel num_threads(num_threads) if (rows * num_heads * d >= PARALLEL_MIN_ELEMENTS)
+    cv_rotary_team_nowait(x, row_stride, rows, num_heads, d, positions, cos_sin);
 }

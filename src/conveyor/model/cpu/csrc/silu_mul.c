@@ -23,11 +23,12 @@ static inline float silu_mul(float g, float u)
     return g * sig * u;
 }
 
-void conveyor_silu_mul_f32(const float *gate_up, int64_t in_stride, float *out,
-                           int64_t out_stride, int64_t rows, int inter, int num_threads)
+/* Every thread of a running parallel region calls it (decoder_layers.c): the rows split among
+ * the team, returning after its barrier. */
+void cv_silu_mul_team(const float *gate_up, int64_t in_stride, float *out,
+                      int64_t out_stride, int64_t rows, int inter)
 {
-    #pragma omp parallel for num_threads(num_threads) schedule(static) \
-        if (rows * inter >= PARALLEL_MIN_ELEMENTS)
+    #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows; i++) {
         const float *g = gate_up + i * in_stride, *u = g + inter;
         float *o = out + i * out_stride;
@@ -44,4 +45,11 @@ void conveyor_silu_mul_f32(const float *gate_up, int64_t in_stride, float *out,
 #endif
         for (; e < inter; e++) o[e] = silu_mul(g[e], u[e]);
     }
+}
+
+void conveyor_silu_mul_f32(const float *gate_up, int64_t in_stride, float *out,
+                           int64_t out_stride, int64_t rows, int inter, int num_threads)
+{
+    #pragma omp parallel num_threads(num_threads) if (rows * inter >= PARALLEL_MIN_ELEMENTS)
+    cv_silu_mul_team(gate_up, in_stride, out, out_stride, rows, inter);
 }
