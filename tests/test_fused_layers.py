@@ -25,6 +25,8 @@ CASES = {
     "qwen2-bias-bf16": ("qwen2", {}, None, {"dtype": "bfloat16"}),
     "mistral-window": ("mistral", {"sliding_window": 8}, None, {}),
     "llama-q4_k": ("llama", WIDE, QType.Q4_K, {}),
+    # Q6_K: the activation sums besides the blocks, with the default two passes
+    "llama-q6_k": ("llama", WIDE, QType.Q6_K, {}),
     "qwen2-q8_0-one-pass": ("qwen2", {}, QType.Q8_0, {"quant_activation_passes": 1}),
 }
 

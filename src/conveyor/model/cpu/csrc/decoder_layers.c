@@ -34,9 +34,12 @@ void cv_linear_bf16_team(const float *x, int64_t ldx, int64_t m, const uint16_t 
                          int64_t n, int64_t k, const float *bias, float *out, int64_t ldo);
 void cv_quantize_q8a_team(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
                           int passes);
+size_t cv_q8a_own_bytes(int64_t m, int64_t k, int passes);
+void cv_quantize_q8a_own(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
+                         int passes);
 int cv_quant_linear_team(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
                          const void *xq, int64_t m, int passes, const float *bias,
-                         float *out, int64_t ldo);
+                         float *out, int64_t ldo, int own);
 void cv_add_rms_norm_team(float *x, int64_t x_stride, float *residual, int64_t r_stride,
                           const float *w, int64_t rows, int hidden, float eps);
 void cv_rms_norm_team(const float *x, int64_t x_stride, float *out, int64_t out_stride,
@@ -116,10 +119,18 @@ static int run_linear(const cv_linear *l, const float *x, int64_t m, float *out,
                             out, l->n);
         return 0;
     }
-    cv_quantize_q8a_team(x, l->k, m, l->k, xq, passes);
+    /* A decode step's few rows: each thread quantizes them into its own stack buffer, so the
+     * team does not meet before the dot products; more rows, into the shared xq. */
+    const size_t own = cv_q8a_own_bytes(m, l->k, passes);
+    _Alignas(64) unsigned char own_xq[own ? own : 1];
+    if (own)
+        cv_quantize_q8a_own(x, l->k, m, l->k, own_xq, passes);
+    else
+        cv_quantize_q8a_team(x, l->k, m, l->k, xq, passes);
     for (int i = 0; i < l->parts; i++)
-        if (cv_quant_linear_team(l->qtype[i], l->w[i], l->ldw[i], l->rows[i], l->k, xq, m,
-                                 passes, l->qbias[i], out + l->start[i], l->n))
+        if (cv_quant_linear_team(l->qtype[i], l->w[i], l->ldw[i], l->rows[i], l->k,
+                                 own ? (void *)own_xq : xq, m, passes, l->qbias[i],
+                                 out + l->start[i], l->n, own != 0))
             return 1;
     return 0;
 }

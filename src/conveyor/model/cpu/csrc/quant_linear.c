@@ -90,6 +90,27 @@ static inline void quantize_block512(const float *v, q8a_block *o, float *rest)
 }
 #endif
 
+/* Row x [nb x 32] into nb Q8A blocks at o, and with a second pass (o2 not NULL) its rounding
+ * error into nb more at o2. */
+static void quantize_row(const float *x, int64_t nb, q8a_block *o, q8a_block *o2)
+{
+    for (int64_t b = 0; b < nb; b++) {
+        const float *v = x + b * QK;
+#ifdef CONVEYOR_AVX512
+        float rest[QK];
+        quantize_block512(v, o + b, o2 ? rest : 0);
+        if (o2) quantize_block512(rest, o2 + b, 0);
+#else
+        quantize_block(v, o + b);
+        if (o2) {
+            float rest[QK];
+            for (int j = 0; j < QK; j++) rest[j] = v[j] - o[b].d * o[b].q[j];
+            quantize_block(rest, o2 + b);
+        }
+#endif
+    }
+}
+
 /* Quantize m rows of x [m, k] (k a multiple of 32) into out: `passes` (1 or 2) sets of m rows
  * of k / 32 Q8A blocks, the second one the first's rounding error. Every thread of the
  * running parallel region's team calls it (decoder_layers.c, or the entry point below): the
@@ -100,24 +121,30 @@ void cv_quantize_q8a_team(const float *x, int64_t ldx, int64_t m, int64_t k, voi
     const int64_t nb = k / QK;
     q8a_block *blocks = (q8a_block *)out;
     #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; r++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * ldx + b * QK;
-            q8a_block *o = blocks + r * nb + b;
-#ifdef CONVEYOR_AVX512
-            float rest[QK];
-            quantize_block512(v, o, passes > 1 ? rest : 0);
-            if (passes > 1) quantize_block512(rest, o + m * nb, 0);
-#else
-            quantize_block(v, o);
-            if (passes > 1) {
-                float rest[QK];
-                for (int j = 0; j < QK; j++) rest[j] = v[j] - o->d * o->q[j];
-                quantize_block(rest, o + m * nb);
-            }
-#endif
-        }
-    }
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(x + r * ldx, nb, blocks + r * nb, passes > 1 ? blocks + (m + r) * nb : 0);
+}
+
+/* The bytes cv_quantize_q8a_own writes for m rows of k, or 0 when that is more than a thread
+ * should hold on its stack (OWN_XQ_BYTES): then the team quantizes into one shared buffer. */
+#define OWN_XQ_BYTES (32 << 10)
+size_t cv_q8a_own_bytes(int64_t m, int64_t k, int passes)
+{
+    const size_t bytes = (size_t)(passes > 1 ? 2 : 1) * (size_t)m * (size_t)(k / QK) *
+                         sizeof(q8a_block);
+    return bytes <= OWN_XQ_BYTES ? bytes : 0;
+}
+
+/* cv_quantize_q8a_team's result, every row by the calling thread into out (its own buffer,
+ * cv_q8a_own_bytes long), with no barrier: in a decode step each thread quantizes the row
+ * itself rather than wait for one thread to. */
+void cv_quantize_q8a_own(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
+                         int passes)
+{
+    const int64_t nb = k / QK;
+    q8a_block *blocks = (q8a_block *)out;
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(x + r * ldx, nb, blocks + r * nb, passes > 1 ? blocks + (m + r) * nb : 0);
 }
 
 void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
@@ -127,22 +154,31 @@ void conveyor_quantize_q8a_f32(const float *x, int64_t ldx, int64_t m, int64_t k
     cv_quantize_q8a_team(x, ldx, m, k, out, passes);
 }
 
-/* The activation sums quant_blocks.h describes (for Q6_K and Q8_0), passes x m rows of nb
- * blocks. */
-static void fill_xsum(int qtype, const q8a_block *x, int64_t rows, int64_t nb, int32_t *xsum)
+/* The activation sums quant_blocks.h describes (for Q6_K and Q8_0) of block x, at s[0..2). */
+static inline void block_xsum(int qtype, const q8a_block *x, int32_t *s)
 {
-    #pragma omp for schedule(static)
-    for (int64_t i = 0; i < rows * nb; i++) {
-        int32_t lo = 0, hi = 0;
-        for (int j = 0; j < QK / 2; j++) lo += x[i].q[j], hi += x[i].q[QK / 2 + j];
-        if (qtype == Q6_K) {
-            xsum[2 * i] = -32 * lo;
-            xsum[2 * i + 1] = -32 * hi;
-        } else {
-            xsum[2 * i] = -128 * (lo + hi);
-            xsum[2 * i + 1] = 0;
-        }
+    int32_t lo = 0, hi = 0;
+    for (int j = 0; j < QK / 2; j++) lo += x->q[j], hi += x->q[QK / 2 + j];
+    if (qtype == Q6_K) {
+        s[0] = -32 * lo;
+        s[1] = -32 * hi;
+    } else {
+        s[0] = -128 * (lo + hi);
+        s[1] = 0;
     }
+}
+
+/* block_xsum of passes x m rows of nb blocks, split among the team (own: all by the calling
+ * thread, into its own xsum). */
+static void fill_xsum(int qtype, const q8a_block *x, int64_t rows, int64_t nb, int32_t *xsum,
+                      int own)
+{
+    if (own) {
+        for (int64_t i = 0; i < rows * nb; i++) block_xsum(qtype, x + i, xsum + 2 * i);
+        return;
+    }
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * nb; i++) block_xsum(qtype, x + i, xsum + 2 * i);
 }
 
 /* out[r, j] = sum_k xq[r, k] W[j, k] + bias[j] for r < m, j < n, xq from
@@ -154,20 +190,27 @@ static void fill_xsum(int qtype, const q8a_block *x, int64_t rows, int64_t nb, i
  * written either way). */
 static int quant_linear_team(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
                              const void *xq, int64_t m, int passes, const float *bias,
-                             float *out, int64_t ldo, int max_tile)
+                             float *out, int64_t ldo, int max_tile, int own)
 {
     const int64_t nb = k / QK;
     if (!quant_type_fits(qtype, k)) return 1;
     const int kquant = quant_k_block_bytes(qtype) > 0;
     const q8a_block *x = (const q8a_block *)xq, *x2 = passes > 1 ? x + m * nb : 0;
     const int64_t tile = max_tile < 1 ? 1 : max_tile > QT ? QT : max_tile;
+    const int sums = qtype == Q6_K || qtype == Q8_0;
+    const int64_t sum_rows = (passes > 1 ? 2 : 1) * m;
+    /* own: xq is this thread's own (cv_quantize_q8a_own, at most OWN_XQ_BYTES), and so are
+     * its sums, on the stack (a fifth of xq's bytes) */
+    int32_t own_sums[own && sums ? sum_rows * nb * 2 : 1];
     int32_t *xsum = 0;
-    if (qtype == Q6_K || qtype == Q8_0) {
-        const int64_t rows = (passes > 1 ? 2 : 1) * m;
+    if (sums && own) {
+        xsum = own_sums;
+        fill_xsum(qtype, x, sum_rows, nb, xsum, 1);
+    } else if (sums) {
         #pragma omp single copyprivate(xsum)
-        xsum = malloc((size_t)(rows * nb * 2) * sizeof *xsum);
+        xsum = malloc((size_t)(sum_rows * nb * 2) * sizeof *xsum);
         if (!xsum) return 3;
-        fill_xsum(qtype, x, rows, nb, xsum);
+        fill_xsum(qtype, x, sum_rows, nb, xsum, 0);
     }
     /* a task: one group of sixteen weight rows against every activation row, a tile at a
      * time, the group's bytes staying in cache */
@@ -189,8 +232,10 @@ static int quant_linear_team(int qtype, const uint8_t *w, int64_t ldw, int64_t n
                     out[(r0 + r) * ldo + j0 + i] = dots[QG * r + i] + (bias ? bias[j0 + i] : 0.f);
         }
     }
-    #pragma omp single nowait
-    free(xsum); /* after the loop's barrier: no thread reads it any more */
+    if (!own) {
+        #pragma omp single nowait
+        free(xsum); /* after the loop's barrier: no thread reads it any more */
+    }
     return 0;
 }
 
@@ -205,7 +250,7 @@ int conveyor_quant_linear_tiled_f32(int qtype, const uint8_t *w, int64_t ldw, in
         if (tasks > 1 && m * n * (k / QK) >= PARALLEL_MIN_BLOCKS)
     {
         const int mine = quant_linear_team(qtype, w, ldw, n, k, xq, m, passes, bias, out, ldo,
-                                           max_tile);
+                                           max_tile, 0);
         #pragma omp master
         failed = mine; /* the same in every thread */
     }
@@ -213,13 +258,14 @@ int conveyor_quant_linear_tiled_f32(int qtype, const uint8_t *w, int64_t ldw, in
 }
 
 /* For a caller already running a parallel region (decoder_layers.c): every thread of its team
- * calls it with the same arguments; it returns (the same value in each) after the team's
+ * calls it with the same arguments (but xq, when own: each thread's own copy of the same
+ * blocks, cv_quantize_q8a_own's); it returns (the same value in each) after the team's
  * barrier. */
 int cv_quant_linear_team(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
                          const void *xq, int64_t m, int passes, const float *bias,
-                         float *out, int64_t ldo)
+                         float *out, int64_t ldo, int own)
 {
-    return quant_linear_team(qtype, w, ldw, n, k, xq, m, passes, bias, out, ldo, QT);
+    return quant_linear_team(qtype, w, ldw, n, k, xq, m, passes, bias, out, ldo, QT, own);
 }
 
 /* conveyor_quant_linear_tiled_f32 with tiles of QT rows: what QuantLinear and the fused
