@@ -92,7 +92,8 @@ def test_cpu_linear_with_bfloat16_weights_is_the_float32_product_of_the_rounded_
 # micro-kernels' 6 and 12 and the blocks of 288. Tolerance: against the float64 sum of the
 # same rounded operands, what fp32 summation of up to a thousand terms of about 1 / sqrt(K)
 # each leaves (outputs about 1): 1e-5, the other linear tests' bound.
-EDGE_SHAPES = [(1, 1), (17, 3), (33, 31), (16, 2), (47, 257), (64, 513), (5, 1027)]
+# (379, 70): six whole groups of four panels, the last panel 11 columns wide
+EDGE_SHAPES = [(1, 1), (17, 3), (33, 31), (16, 2), (47, 257), (64, 513), (5, 1027), (379, 70)]
 EDGE_ROWS = [1, 2, 5, 6, 7, 11, 12, 13, 25, 289, 300]
 
 
@@ -388,7 +389,8 @@ def test_the_bf16_gemm_gives_the_same_bits_on_panels_one_to_a_group(kernels, row
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [16 * 4 * 9, 16 * 4 * 9 + 16 * 3 - 5])  # odd groups; a tail
+# odd groups; a tail; whole groups only, the last panel narrower
+@pytest.mark.parametrize("n", [16 * 4 * 9, 16 * 4 * 9 + 16 * 3 - 5, 16 * 4 * 8 - 5])
 def test_a_decode_step_gives_the_same_bits_on_one_thread_or_several(kernels, weight_dtype, n):
     """A few rows split the panels between the threads by halves of groups (an odd number of
     groups does not leave one thread a group more): whichever thread reads a panel, and
