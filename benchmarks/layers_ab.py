@@ -108,35 +108,41 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
     for wdtype in saved_linear:
         kernels._linear[wdtype] = timed(lambda side, w=wdtype: side["heads"][w], "head")
     params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
+
+    def generate_on(side: dict) -> None:  # one generate, its steps timed as a round of side's
+        current[:] = [side]
+        for key in ("c", "head"):
+            side[key].append([])
+        llm.generate(PROMPT, params, use_tqdm=False)
+
     gbps = []
     try:
-        for side in sides.values():  # warm-up: each library's first call
-            current[:] = [side]
-            side["c"].append([]), side["head"].append([])
-            llm.generate(PROMPT, params, use_tqdm=False)
-            side["c"].clear(), side["head"].clear()
+        for side in sides.values():  # warm-up: each library's first call, not kept
+            generate_on(side)
+            side["c"].clear()
+            side["head"].clear()
         for _ in range(rounds):
             for side in sides.values():
-                current[:] = [side]
-                side["c"].append([]), side["head"].append([])
-                llm.generate(PROMPT, params, use_tqdm=False)
+                generate_on(side)
             gbps.append(round(bandwidth(), 1))
     finally:
         fused._call = saved_call
-        kernels._linear.clear(), kernels._linear.update(saved_linear)
+        kernels._linear.clear()
+        kernels._linear.update(saved_linear)
         llm.shutdown()
     result: dict[str, Any] = {"model": model, "dtype": dtype, "rounds": rounds, "tokens": tokens}
     result["threads"] = torch.get_num_threads()
     result["read_gbps"] = gbps
+    for name, side in sides.items():
+        result[name] = {"library": side["path"]}
     new, old = sides["this_tree"], sides["baseline"]
     for key in ("c", "head"):
         label = "c_call" if key == "c" else "head"
         # the first step of each generate is the prompt's: decode steps only
         steps = {n: [s for r in side[key] for s in r[1:]] for n, side in sides.items()}
-        if not steps["this_tree"]:
+        if not steps["this_tree"]:  # a head that is not a CpuLinear (GGUF blocks)
             continue
         for name in sides:
-            result.setdefault(name, {"library": sides[name]["path"]})
             result[name][f"{label}_ms"] = round(1e3 * statistics.median(steps[name]), 3)
         ratios = [a / b for ra, rb in zip(new[key], old[key], strict=True)
                   for a, b in zip(ra[1:], rb[1:], strict=True)]  # fmt: skip

@@ -495,8 +495,8 @@ static void few_rows_dp(const uint32_t *xp, int64_t xs, int64_t kp, int64_t qc, 
 /* out = x . W^T + bias on bf16 panels in groups of `group` (PANEL_GROUP: CpuLinear's; 1:
  * quant_gemm.c's slices). Every thread of the running parallel region's team calls it (one
  * thread alone where the work is too small to split), as linear_gemm.h's GEMM_TEAM: x's rows
- * are rounded into one thread's buffer, the threads split the panels, and it returns after
- * the team's barrier. */
+ * are rounded into one thread's buffer (a decode step's: each thread's own), the threads
+ * split the panels, and it returns after the team's barrier. */
 static void linear_bf16_team(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
                              int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
                              int group)
