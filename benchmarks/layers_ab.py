@@ -11,10 +11,11 @@ a subprocess and cached as usual), and for each of `--rounds` rounds runs one ge
 each side. A side is the library behind the fused layers' one C call
 (`conveyor_decoder_layers`, model/cpu/fused_layers.py) and behind the head's GEMM (the
 CpuLinear entry points: in a decode step only the head calls them). Per side: the medians
-over its steps of the C call and of the head (ms), and per step of a round the ratio this
-tree / baseline, whose median, 10th and 90th percentiles are printed (below 1: this tree is
-faster). The read bandwidth is sampled after each round (as gguf_decode.py's probe), so a
-run says which of the VM's phases it saw.
+over its steps of the C call, of the head and of the whole engine step (the host's Python
+included), in ms, and per step of a round the ratio this tree / baseline, whose median, 10th
+and 90th percentiles are printed (below 1: this tree is faster). The read bandwidth is sampled
+after each round (as gguf_decode.py's probe), and `per_round` gives it with each side's median
+step of that round, so a run says which of the VM's phases each round saw.
 
 The baseline's `conveyor_decoder_layers` must take the descriptors this tree's
 fused_layers.py builds (the same cv_layer / cv_step layout); a model whose layers do not run
@@ -47,6 +48,8 @@ from conveyor import LLM, SamplingParams
 from conveyor.bench.sibling import load_sibling
 
 PROMPT = "The capital of France is"
+# what is timed a step, by its key in a side's record: the label it is reported under
+TIMED = {"c": "c_call", "head": "head", "step": "step"}
 _LIB_OF_SRC = (
     "from conveyor.model.cpu import cpu_kernels as k; m = k.load(); print(m.path if m else '')"
 )
@@ -90,7 +93,8 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
             theirs = getattr(lib, fn.__name__)
             theirs.argtypes, theirs.restype = fn.argtypes, fn.restype
             heads[wdtype] = theirs
-        sides[name] = {"path": path, "layers": layers, "heads": heads, "c": [], "head": []}
+        sides[name] = {"path": path, "layers": layers, "heads": heads}
+        sides[name].update({key: [] for key in TIMED})
     current: list[dict] = []
 
     def timed(pick: Callable[[dict], Callable], key: str) -> Callable:
@@ -103,15 +107,17 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
 
         return call
 
-    saved_call, saved_linear = fused._call, dict(kernels._linear)
+    engine = llm.llm_engine
+    saved_call, saved_linear, saved_step = fused._call, dict(kernels._linear), engine.step
     fused._call = timed(lambda side: side["layers"], "c")
+    engine.step = timed(lambda side: saved_step, "step")
     for wdtype in saved_linear:
         kernels._linear[wdtype] = timed(lambda side, w=wdtype: side["heads"][w], "head")
     params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
 
     def generate_on(side: dict) -> None:  # one generate, its steps timed as a round of side's
         current[:] = [side]
-        for key in ("c", "head"):
+        for key in TIMED:
             side[key].append([])
         llm.generate(PROMPT, params, use_tqdm=False)
 
@@ -119,14 +125,14 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
     try:
         for side in sides.values():  # warm-up: each library's first call, not kept
             generate_on(side)
-            side["c"].clear()
-            side["head"].clear()
+            for key in TIMED:
+                side[key].clear()
         for _ in range(rounds):
             for side in sides.values():
                 generate_on(side)
             gbps.append(round(bandwidth(), 1))
     finally:
-        fused._call = saved_call
+        fused._call, engine.step = saved_call, saved_step
         kernels._linear.clear()
         kernels._linear.update(saved_linear)
         llm.shutdown()
@@ -136,8 +142,7 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
     for name, side in sides.items():
         result[name] = {"library": side["path"]}
     new, old = sides["this_tree"], sides["baseline"]
-    for key in ("c", "head"):
-        label = "c_call" if key == "c" else "head"
+    for key, label in TIMED.items():
         # the first step of each generate is the prompt's: decode steps only
         steps = {n: [s for r in side[key] for s in r[1:]] for n, side in sides.items()}
         if not steps["this_tree"]:  # a head that is not a CpuLinear (GGUF blocks)
@@ -147,7 +152,16 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
         ratios = [a / b for ra, rb in zip(new[key], old[key], strict=True)
                   for a, b in zip(ra[1:], rb[1:], strict=True)]  # fmt: skip
         result[f"{label}_ratio"] = _quantiles(ratios)
+    result["per_round"] = [_round(sides, i, g) for i, g in enumerate(gbps)]
     return result
+
+
+def _round(sides: dict[str, dict], i: int, gbps: float) -> dict:
+    """Round i: the bandwidth sampled after it and each side's median decode step (ms)."""
+    out: dict[str, float] = {"read_gbps": gbps}
+    for name, side in sides.items():
+        out[f"{name}_step_ms"] = round(1e3 * statistics.median(side["step"][i][1:]), 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
