@@ -14,8 +14,8 @@ CpuLinear entry points: in a decode step only the head calls them). Per side: th
 over its steps of the C call, of the head and of the whole engine step (the host's Python
 included), in ms, and per step of a round the ratio this tree / baseline, whose median, 10th
 and 90th percentiles are printed (below 1: this tree is faster). The read bandwidth is sampled
-after each round (as gguf_decode.py's probe), and `per_round` gives it with each side's median
-step of that round, so a run says which of the VM's phases each round saw.
+after each round (as gguf_decode.py's probe), and `per_round` gives it with each side's medians
+of that round, so a run says which of the VM's phases each round saw.
 
 The baseline's `conveyor_decoder_layers` must take the descriptors this tree's
 fused_layers.py builds (the same cv_layer / cv_step layout); a model whose layers do not run
@@ -157,10 +157,13 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
 
 
 def _round(sides: dict[str, dict], i: int, gbps: float) -> dict:
-    """Round i: the bandwidth sampled after it and each side's median decode step (ms)."""
+    """Round i: the bandwidth sampled after it and each side's medians over its decode steps
+    (ms) of what TIMED names (a head that is not a CpuLinear: none)."""
     out: dict[str, float] = {"read_gbps": gbps}
     for name, side in sides.items():
-        out[f"{name}_step_ms"] = round(1e3 * statistics.median(side["step"][i][1:]), 3)
+        for key, label in TIMED.items():
+            if side[key][i][1:]:
+                out[f"{name}_{label}_ms"] = round(1e3 * statistics.median(side[key][i][1:]), 3)
     return out
 
 
