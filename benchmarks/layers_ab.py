@@ -14,8 +14,9 @@ CpuLinear entry points: in a decode step only the head calls them). Per side: th
 over its steps of the C call, of the head and of the whole engine step (the host's Python
 included), in ms, and per step of a round the ratio this tree / baseline, whose median, 10th
 and 90th percentiles are printed (below 1: this tree is faster). The read bandwidth is sampled
-after each round (as gguf_decode.py's probe), and `per_round` gives it with each side's medians
-of that round, so a run says which of the VM's phases each round saw.
+before the first round and after each (as gguf_decode.py's probe), and `per_round` gives each
+round's samples on both sides of it with each side's medians of that round, so a run says
+which of the VM's phases each round saw, and which rounds it changed phase in.
 
 The baseline's `conveyor_decoder_layers` must take the descriptors this tree's
 fused_layers.py builds (the same cv_layer / cv_step layout); a model whose layers do not run
@@ -127,6 +128,7 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
             generate_on(side)
             for key in TIMED:
                 side[key].clear()
+        first = round(bandwidth(), 1)  # round i ran between samples i - 1 (this one) and i
         for _ in range(rounds):
             for side in sides.values():
                 generate_on(side)
@@ -152,14 +154,18 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
         ratios = [a / b for ra, rb in zip(new[key], old[key], strict=True)
                   for a, b in zip(ra[1:], rb[1:], strict=True)]  # fmt: skip
         result[f"{label}_ratio"] = _quantiles(ratios)
-    result["per_round"] = [_round(sides, i, g) for i, g in enumerate(gbps)]
+    result["per_round"] = [
+        _round(sides, i, before, after)
+        for i, (before, after) in enumerate(zip([first, *gbps[:-1]], gbps, strict=True))
+    ]
     return result
 
 
-def _round(sides: dict[str, dict], i: int, gbps: float) -> dict:
-    """Round i: the bandwidth sampled after it and each side's medians over its decode steps
-    (ms) of what TIMED names (a head that is not a CpuLinear: none)."""
-    out: dict[str, float] = {"read_gbps": gbps}
+def _round(sides: dict[str, dict], i: int, before: float, after: float) -> dict:
+    """Round i: the bandwidth sampled just before and just after it (where the two differ, the
+    VM changed phase in between) and each side's medians over its decode steps (ms) of what
+    TIMED names (a head that is not a CpuLinear: none)."""
+    out: dict[str, float] = {"read_gbps_before": before, "read_gbps": after}
     for name, side in sides.items():
         for key, label in TIMED.items():
             if side[key][i][1:]:

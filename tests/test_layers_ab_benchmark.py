@@ -32,6 +32,8 @@ def test_both_sides_run_every_round_in_one_process(demo_model_dir, dtype, capsys
         # the whole step holds the C call and the head
         assert result[side]["step_ms"] > result[side]["c_call_ms"]
     assert [r["read_gbps"] for r in result["per_round"]] == result["read_gbps"]
+    # a round's sample before it is the previous round's after it
+    assert [r["read_gbps_before"] for r in result["per_round"]][1:] == result["read_gbps"][:-1]
     for r in result["per_round"]:
         for side in ("this_tree", "baseline"):
             assert r[f"{side}_step_ms"] > r[f"{side}_c_call_ms"] > 0 and r[f"{side}_head_ms"] > 0
