@@ -104,6 +104,11 @@ static inline int64_t panel_qs(int64_t p, int64_t panels, int group, int split)
 }
 #define KC 256 /* a panel's block: 16 KiB of float32 (or of bf16 pairs in vdpbf16ps's loop) */
 #define PARALLEL_MIN_FLOPS (1 << 16)
+/* Whether a GEMM is worth a team of threads: more than one panel, and enough flops. */
+static inline int worth_a_team(int64_t m, int64_t n, int64_t k)
+{
+    return n > NR && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
+}
 #define PACK_PARALLEL_MIN (1 << 15) /* x's values rounded and spread by every thread */
 #define OWN_PACK_WORDS 8192 /* x packed by each thread on its own stack (32 KiB): a decode step */
 
@@ -639,8 +644,7 @@ void conveyor_linear_bf16_grouped(const float *x, int64_t ldx, int64_t m, const 
                                   int64_t n, int64_t k, const float *bias, float *out,
                                   int64_t ldo, int num_threads, int group)
 {
-    const int parallel = n > NR && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
-    #pragma omp parallel num_threads(num_threads) if (parallel)
+    #pragma omp parallel num_threads(num_threads) if (worth_a_team(m, n, k))
     linear_bf16_team(x, ldx, m, packed, n, k, bias, out, ldo, group);
 }
 

@@ -355,8 +355,7 @@ static void GEMM_GROUPED(const float *x, int64_t ldx, int64_t m, const W_T *pack
                          int64_t k, const float *bias, float *out, int64_t ldo, int num_threads,
                          int group)
 {
-    const int parallel = n > NR && 2 * m * n * k >= PARALLEL_MIN_FLOPS;
-    #pragma omp parallel num_threads(num_threads) if (parallel)
+    #pragma omp parallel num_threads(num_threads) if (worth_a_team(m, n, k))
     GEMM_TEAM(x, ldx, m, packed, n, k, bias, out, ldo, group);
 }
 
