@@ -94,8 +94,7 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
             theirs = getattr(lib, fn.__name__)
             theirs.argtypes, theirs.restype = fn.argtypes, fn.restype
             heads[wdtype] = theirs
-        sides[name] = {"path": path, "layers": layers, "heads": heads}
-        sides[name].update({key: [] for key in TIMED})
+        sides[name] = {"path": path, "layers": layers, "heads": heads, **{k: [] for k in TIMED}}
     current: list[dict] = []
 
     def timed(pick: Callable[[dict], Callable], key: str) -> Callable:
