@@ -1,4 +1,5 @@
-"""Structured-output attacks against a real `conveyor serve` (issue 27, items 2, 3 and 6).
+"""Structured-output attacks against a real `conveyor serve` (issue 27, items 2, 3 and 6;
+issue 49, items 1, 2 and 8).
 
 Each attack is sent as the issue describes it; each answer's HTTP status and seconds are
 recorded. Meanwhile a probe client streams an unconstrained completion (ignore_eos, one
@@ -17,9 +18,17 @@ events during an attack is what that attack cost another client. The attacks:
                          parameters {"type":"banana"}, a false required property, a circular
                          $ref, a self-referencing allOf
 
+Issue 49's, with a steady client beside them (short chat requests back to back: plain,
+json_object, a small schema, in turn; its p50 / max latency per attack, against its own
+unloaded p50), and the server's memory (its whole process tree's RSS):
+
+    infinite-grammar     root ::= "a" root (17 characters) and a 4,096+ character variant
+    runaway-compiles     two 3,400-character regexes of 680 optional groups and two 63 KB
+                         grammars of 2,900 optional terms, sent together
+
 Without --url it starts `conveyor serve` on the demo model (or --model DIR). stdout has one
 JSON object; progress goes to stderr. A loaded machine is fine: the numbers to look at are
-the statuses and the orders of magnitude.
+the statuses and the orders of magnitude. `--round3` runs issue 49's attacks only.
 
     python benchmarks/grammar_attacks.py
 """
@@ -29,9 +38,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -41,38 +47,14 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attack_server import start_server
+
 ASK = [{"role": "user", "content": "Answer in JSON."}]
 
 
 def log(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
-
-
-def start_server(model: str | None) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = Path(sys.executable).with_name("conveyor")
-    found = str(script) if script.is_file() else shutil.which("conveyor")
-    command = [found] if found else [sys.executable, "-m", "conveyor.cli"]
-    command += ["serve", "--port", str(port), "--log-level", "warning", "--log-stats-interval",
-                "0", "--served-model-name", "demo"]  # fmt: skip
-    if model:
-        command += ["--model", model]
-    proc = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 300
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"conveyor serve exited with status {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("conveyor serve did not become healthy")
 
 
 class Probe:
@@ -110,6 +92,117 @@ class Probe:
     def max_gap(self, start: float, end: float) -> float:
         times = [start] + [t for t in self.times if start < t <= end] + [end]
         return max(b - a for a, b in itertools.pairwise(times))
+
+
+class Steady:
+    """Short chat requests back to back (8 tokens; plain, json_object and a small schema in
+    turn); `latencies(start, end)`: those that ended within [start, end]."""
+
+    BODIES: tuple[dict[str, Any], ...] = (
+        {},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer"}}}}}},
+    )  # fmt: skip
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.done: list[tuple[float, float]] = []  # (end, seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=600) as client:
+            for body in itertools.cycle(self.BODIES):
+                if self._stop.is_set():
+                    return
+                t0 = time.monotonic()
+                client.post(f"{self.url}/v1/chat/completions", json={
+                    "model": "demo", "messages": ASK, "max_tokens": 8, **body})  # fmt: skip
+                self.done.append((time.monotonic(), time.monotonic() - t0))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(600)
+
+    def summary(self, start: float, end: float) -> dict[str, float | int]:
+        seconds = sorted(s for t, s in self.done if start < t <= end)
+        if not seconds:
+            return {"n": 0}
+        return {"n": len(seconds), "p50_s": round(seconds[len(seconds) // 2], 3),
+                "max_s": round(seconds[-1], 3)}  # fmt: skip
+
+
+def tree_rss_mb(pid: int) -> float:
+    """RSS of pid and its descendants (the API server, engine, grammar worker, checks)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += parents.get(p, [])
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        total += int(next((ln.split()[1] for ln in status.splitlines()
+                           if ln.startswith("VmRSS:")), "0"))  # fmt: skip
+    return round(total / 1024, 1)
+
+
+def optional_groups(tag: str) -> str:
+    return tag + "".join(f"({chr(97 + i % 26)}{chr(65 + i * 7 % 26)})?" for i in range(680))
+
+
+def optional_terms(tag: str) -> str:
+    """~63 KB: 2,900 optional terms of 18 letters."""
+    words = (f"{tag}{i:05d}{'x' * 12}" for i in range(2900))
+    return "root ::= " + " ".join(f'"{w}"?' for w in words)
+
+
+def round3(url: str, pid: int | None, steady: Steady) -> dict[str, Any]:
+    """Issue 49's attacks, each with the steady client's latencies beside it."""
+    results: dict[str, Any] = {}
+    while len(steady.done) < 2 * len(steady.BODIES):  # warm: compiled once, worker started
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    time.sleep(5)
+    results["unloaded"] = {"steady": steady.summary(t0, time.monotonic())}
+    infinite = 'root ::= "a" root'
+    big = infinite + "".join(f'\nr{i} ::= "{"x" * 40}"' for i in range(100))
+    for name, grammar in (("infinite-grammar 17 chars", infinite),
+                          ("infinite-grammar 4,096+ chars", big)):  # fmt: skip
+        rss = tree_rss_mb(pid) if pid else None
+        t0 = time.monotonic()
+        answer = post(url, {"structured_outputs": {"grammar": grammar}}, timeout=120)
+        time.sleep(2)
+        results[name] = {
+            "answer": answer,
+            "steady": steady.summary(t0, time.monotonic()),
+            "rss_mb_before": rss,
+            "rss_mb_after": tree_rss_mb(pid) if pid else None,
+        }
+    with ThreadPoolExecutor(4) as pool:
+        t0 = time.monotonic()
+        sent = [pool.submit(post, url, {"guided_regex": optional_groups(t)}) for t in "xy"]
+        sent += [pool.submit(post, url, {"guided_grammar": optional_terms(t)}) for t in "ab"]
+        answers = [f.result() for f in sent]
+        end = time.monotonic()
+        time.sleep(5)
+        results["runaway-compiles"] = {
+            "answers": answers, "steady": steady.summary(t0, end),
+            "steady after (5 s)": steady.summary(end, time.monotonic()),
+        }  # fmt: skip
+    return results
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
@@ -225,11 +318,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server (default: start one)")
     parser.add_argument("--model", help="checkpoint folder for the started server (demo)")
+    parser.add_argument("--round3", action="store_true", help="issue 49's attacks only")
     args = parser.parse_args(argv)
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_server(args.model)
+        proc, url = start_server([], args.model)
+    if args.round3:
+        steady = Steady(url)
+        steady.start()
+        try:
+            report = round3(url, proc.pid if proc else None, steady)
+        finally:
+            steady.stop()
+            if proc is not None:
+                proc.terminate()
+                proc.wait(60)
+        print(json.dumps(report, indent=1))
+        return report
     try:
         probe = Probe(url)
         probe.start()

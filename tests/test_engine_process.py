@@ -159,3 +159,28 @@ def test_outputs_cross_the_pipe_intact() -> None:
     back = unpack_output(pickle.loads(pickle.dumps(pack_output(out))))
     assert back == dataclasses.replace(out, prompt=None, prompt_token_ids=[])
     assert unpack_output(pack_output(RequestOutput("s", None, [3]))).metrics is None
+
+
+def test_an_engine_process_exits_without_waiting_for_a_running_compile(demo_model_dir) -> None:
+    """Issue 49 item 8: a compile cannot be stopped, and a normal exit waits for its thread
+    (2,900 optional terms: minutes on the demo vocabulary). The engine process ends itself at
+    once instead; before, stop() waited 30 s and killed it."""
+    from conveyor.entrypoints.async_llm import RequestRejectedError
+    from conveyor.structured.params import StructuredOutputsParams
+
+    terms = " ".join(f'"{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}"?' for i in range(2900))
+    slow = StructuredOutputsParams(grammar=f"root ::= {terms}")
+    params = SamplingParams(max_tokens=2, structured_outputs=slow)
+
+    async def main() -> tuple[float, int | None]:
+        llm = _engine(demo_model_dir, grammar_compile_timeout=0.5)
+        await llm.start()
+        with pytest.raises(RequestRejectedError, match="grammar_compile_timeout"):
+            await _collect(llm.generate("x", params))
+        start = time.monotonic()
+        await llm.shutdown()
+        return time.monotonic() - start, llm._core._process.returncode
+
+    seconds, code = asyncio.run(main())
+    assert code == 0  # it exited by itself, not killed
+    assert seconds < 25

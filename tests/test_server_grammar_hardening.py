@@ -36,7 +36,9 @@ def _serve(demo_model_dir, tmp_path_factory, *extra: str):
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir, tmp_path_factory):
-    proc = _serve(demo_model_dir, tmp_path_factory)
+    # The time limit counts a check's wait too: the ordering tests below send "slow" schemas
+    # (a second each) two at a time, which a loaded machine must not turn into timeouts.
+    proc = _serve(demo_model_dir, tmp_path_factory, "--grammar-compile-timeout", "60")
     yield proc
     proc.stop()
 
@@ -100,17 +102,23 @@ def test_a_constraint_that_cannot_work_is_a_400_with_its_param(client, body, par
     assert refused["param"] == param and says in refused["message"], refused
 
 
-def test_a_dead_end_found_by_the_engine_is_a_400_naming_the_field(client) -> None:
-    body = {"guided_regex": r"(a|b)[^\s\S]"}  # a letter, then nothing: generating finds it
+def test_a_dead_end_found_by_the_engine_is_a_400_naming_the_field(client, server) -> None:
+    # "b" is an output, so the server's checks pass it; after "a" (all "b" is biased away
+    # from) no character can follow: generating finds the dead end.
+    tokenized = httpx.post(f"{server.base_url}/tokenize",
+                           json={"prompt": "b", "add_special_tokens": False})  # fmt: skip
+    ids = tokenized.json()["tokens"]
+    body = {"guided_grammar": 'root ::= "a" x | "b"\nx ::= [^\\0-\\U0010ffff]',
+            "logit_bias": {str(ids[0]): -100}}  # fmt: skip
     refused = _refused(client, body, temperature=1.0, seed=3)
-    assert refused["param"] == "guided_regex" and "never be satisfied" in refused["message"]
+    assert refused["param"] == "guided_grammar" and "never be satisfied" in refused["message"]
     stream = client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=4, stream=True, extra_body=body
     )
     with pytest.raises(openai.APIError) as failed:
         for _ in stream:
             pass
-    assert failed.value.body["code"] == 400 and failed.value.body["param"] == "guided_regex"
+    assert failed.value.body["code"] == 400 and failed.value.body["param"] == "guided_grammar"
 
 
 def _optional(n: int) -> dict:
@@ -206,7 +214,7 @@ def test_a_deadline_counts_while_waiting_for_a_grammar(client) -> None:
 
 @pytest.fixture(scope="module")
 def strict_client(demo_model_dir, tmp_path_factory):
-    proc = _serve(demo_model_dir, tmp_path_factory, "--grammar-compile-timeout", "0.1")
+    proc = _serve(demo_model_dir, tmp_path_factory, "--grammar-compile-timeout", "0.5")
     yield openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0,
                         timeout=120)  # fmt: skip
     proc.stop()
@@ -215,7 +223,7 @@ def strict_client(demo_model_dir, tmp_path_factory):
 def test_a_compile_past_the_time_limit_is_a_400_naming_the_limit(strict_client) -> None:
     refused = _refused(strict_client, _schema(slow_schema("strict")))
     assert refused["param"] == "response_format"
-    assert "grammar_compile_timeout (0.1 s)" in refused["message"]
+    assert "grammar_compile_timeout (0.5 s)" in refused["message"]
     # A small constraint still compiles in time, and plain requests are untouched.
     ok = strict_client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=8, extra_body={"guided_regex": "[0-9]{2}w"}

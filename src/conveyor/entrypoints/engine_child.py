@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
@@ -81,6 +82,12 @@ def main(argv: list[str]) -> None:
         datefmt="%m-%d %H:%M:%S",
     )
     run_engine_process(config, commands, outbox)
+    # Out at once: a grammar compile still running in its thread (xgrammar cannot be stopped)
+    # would hold a normal exit, which waits for every non-daemon thread, for its whole length.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def run_engine_process(config: EngineConfig, commands: Connection, outbox: Connection) -> None:
@@ -122,6 +129,7 @@ def run_engine_process(config: EngineConfig, commands: Connection, outbox: Conne
     thread.run()
     reader.join()  # after the engine's death too: until the server says stop (or is gone)
     beat.stop()
+    engine.shutdown()  # its tensor-parallel workers: the exit that follows runs no atexit
     send(("stopped",))
 
 

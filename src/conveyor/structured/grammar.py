@@ -23,15 +23,24 @@ while it compiles, so the engine step runs on meanwhile. xgrammar is imported on
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from typing import TYPE_CHECKING
 
+from conveyor.structured.grammar_bounds import (
+    GrammarShape,
+    GrammarShapeError,
+    NoFiniteOutputError,
+    check_grammar_shape,
+)
 from conveyor.structured.limits import check_constraint
 from conveyor.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
 
 # Compact JSON: no free whitespace anywhere, and none after separators either.
 _COMPACT_SEPARATORS = (",", ":")
@@ -60,18 +69,42 @@ class GrammarTimeoutError(GrammarError):
 
 
 def build_grammar(so: StructuredOutputsParams, where: str | None = None) -> xgr.Grammar:
-    """The xgrammar Grammar of a constraint (tokenizer-independent).
+    """The xgrammar Grammar of a constraint (tokenizer-independent), its shape checked.
 
     Args:
         where: the field messages name (default `structured_outputs.<kind>`).
     Raises:
-        GrammarError: the schema, regex or grammar is invalid or unsupported.
+        GrammarError: the schema, regex or grammar is invalid or unsupported, or it allows
+            no finite output or only very long ones (structured/grammar_bounds.py).
         ConstraintLimitError: it is over a limit of structured/limits.py, checked first.
     """
+    return build_checked(so, where)[0]
+
+
+def build_checked(
+    so: StructuredOutputsParams, where: str | None = None
+) -> tuple[xgr.Grammar, GrammarShape | None]:
+    """`build_grammar`, with the grammar's shape (None: a normalized form the shape reader
+    does not know, so its forced text is not searched: see `can_start`)."""
+    where = where or f"structured_outputs.{so.kind}"
+    grammar = _build(so, where)
+    try:
+        shape = check_grammar_shape(str(grammar), where)
+    except NoFiniteOutputError as exc:
+        raise GrammarUnsatisfiableError(str(exc)) from None
+    except GrammarShapeError as exc:
+        raise GrammarError(str(exc)) from None
+    except ValueError:
+        logger.warning("%s: the grammar's shape could not be read; its forced text is not "
+                       "searched.", where)  # fmt: skip
+        shape = None
+    return grammar, shape
+
+
+def _build(so: StructuredOutputsParams, where: str) -> xgr.Grammar:
     import xgrammar as xgr
 
     kind, spec, compact = so.key
-    where = where or f"structured_outputs.{kind}"
     check_constraint(kind, spec, where, len(so.choice or ()))
     separators = _COMPACT_SEPARATORS if compact else None
     try:
@@ -105,18 +138,20 @@ def check_structured_outputs(so: StructuredOutputsParams | None, where: str | No
     cheap as building it for a small constraint, so it runs only for those (the engine checks
     every compiled grammar the same way, for its own tokenizer). It sees dead ends at the
     start and after the text the grammar forces there; a later one the engine finds when the
-    output reaches it.
+    output reaches it. The server runs this in a worker process under time and memory limits
+    instead (structured/grammar_checker.py), compiling for the model's own vocabulary;
+    `LLM` and `AsyncLLM` without a server run it in the caller's process.
     """
     if so is None:
         return
-    grammar = build_grammar(so, where)
+    grammar, shape = build_checked(so, where)
     if len(so.spec) <= SMALL_SPEC_CHARS:
         import xgrammar as xgr
 
         matcher = xgr.GrammarMatcher(
             _byte_compiler().compile_grammar(grammar), terminate_without_stop_token=True
         )
-        if not can_start(matcher, 256):
+        if not can_start(matcher, 256, search_forced=shape is not None):
             where = where or f"structured_outputs.{so.kind}"
             raise GrammarUnsatisfiableError(
                 f"{where} can never be satisfied: no output matches it."
@@ -140,11 +175,15 @@ def _byte_compiler() -> xgr.GrammarCompiler:
         return _byte_compilers[0]
 
 
-def can_start(matcher: xgr.GrammarMatcher, vocab_size: int) -> bool:
+def can_start(matcher: xgr.GrammarMatcher, vocab_size: int, search_forced: bool = True) -> bool:
     """Whether a fresh matcher's grammar allows some output: past the text it forces (a
     JSON string's opening quote, say), some token is still allowed, or it is complete.
-    Moves the matcher on by that forced text: give it a throwaway one."""
-    forced = matcher.find_jump_forward_string()
+    Moves the matcher on by that forced text: give it a throwaway one.
+
+    The forced text is searched only where the grammar's shape was checked (`search_forced`):
+    it is then no longer than the shortest output (grammar_bounds.MAX_SHORTEST_OUTPUT at
+    most), where an unchecked grammar's may go on until memory runs out."""
+    forced = matcher.find_jump_forward_string() if search_forced else ""
     if forced and not matcher.accept_string(forced):
         return False
     return allows_any_token(matcher, vocab_size)

@@ -1,9 +1,10 @@
 """GrammarCache: compiled grammars by constraint, compiled in two lanes under a time limit.
 
     get(so)        a CompileJob (its `future` holds the CompiledGrammar): a cache hit, or a
-                   new job queued on its lane. small lane: specs of up to SMALL_SPEC_CHARS
-                   characters; big lane: the rest. So a small grammar never queues behind a
-                   big one.
+                   new job queued on its lane. small lane: what the server's checks estimated
+                   cheap to compile (so.compile_cost), or without an estimate specs of up to
+                   SMALL_SPEC_CHARS characters; big lane: the rest. So a cheap grammar never
+                   queues behind a costly one.
     release(job)   one request stopped waiting (aborted, abandoned, expired); a job nobody
                    waits for that has not started is cancelled.
     poll(now)      the engine calls it every step while grammars are pending. A compile
@@ -33,9 +34,10 @@ from conveyor.structured.grammar import (
     SMALL_SPEC_CHARS,
     GrammarTimeoutError,
     GrammarUnsatisfiableError,
-    build_grammar,
+    build_checked,
     can_start,
 )
+from conveyor.structured.grammar_bounds import CHEAP_COMPILE_COST
 from conveyor.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -69,6 +71,14 @@ class _Lane:
     queue: deque[CompileJob] = field(default_factory=deque)
     active: _Worker | None = None
     overtime: list[_Worker] = field(default_factory=list)
+
+
+def _cheap(so: StructuredOutputsParams) -> bool:
+    """For the small lane: a cost the server estimated cheap, else (none estimated: LLM's
+    requests, json_object) a short spec."""
+    if so.compile_cost is not None:
+        return so.compile_cost <= CHEAP_COMPILE_COST
+    return len(so.spec) <= SMALL_SPEC_CHARS
 
 
 class GrammarCache:
@@ -120,7 +130,7 @@ class GrammarCache:
                 self.num_hits += 1
                 self._jobs.move_to_end(key)
             else:
-                lane = self._small if len(so.spec) <= SMALL_SPEC_CHARS else self._big
+                lane = self._small if _cheap(so) else self._big
                 job = CompileJob(so, lane)
                 self._jobs[key] = job
                 lane.queue.append(job)
@@ -285,8 +295,9 @@ class GrammarCache:
     ) -> xgr.CompiledGrammar:
         import xgrammar as xgr
 
-        compiled = compiler.compile_grammar(build_grammar(so))
-        if not can_start(xgr.GrammarMatcher(compiled), self.vocab_size):
+        grammar, shape = build_checked(so)
+        compiled = compiler.compile_grammar(grammar)
+        if not can_start(xgr.GrammarMatcher(compiled), self.vocab_size, shape is not None):
             raise GrammarUnsatisfiableError(
                 f"structured_outputs.{so.kind} can never be satisfied: no output of this "
                 "model's tokens matches it."

@@ -50,6 +50,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = True
     # The canonical text of the constraint (compact schema JSON, the regex, ...).
     spec: str = field(init=False, default="")
+    # The server's estimate of its compile cost (structured/grammar_bounds.py), set once its
+    # checks passed: the engine compiles it in the lane that cost calls for. None: unknown.
+    compile_cost: float | None = field(init=False, default=None, compare=False)
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -82,7 +85,8 @@ class StructuredOutputsParams:
     def __reduce__(self) -> tuple[Any, ...]:
         # As text (see the module's docstring): unpickling parses it back without recursing
         # deeper than MAX_SCHEMA_DEPTH, the limit it was checked against when it was made.
-        return (_from_spec, (self.kind, self.spec, self.disable_any_whitespace))
+        return (_from_spec, (self.kind, self.spec, self.disable_any_whitespace,
+                             self.compile_cost))  # fmt: skip
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> StructuredOutputsParams:
@@ -97,7 +101,9 @@ class StructuredOutputsParams:
         return cls(**{k: v for k, v in value.items() if v is not None})
 
 
-def _from_spec(kind: str, spec: str, disable_any_whitespace: bool) -> StructuredOutputsParams:
+def _from_spec(
+    kind: str, spec: str, disable_any_whitespace: bool, compile_cost: float | None = None
+) -> StructuredOutputsParams:
     """The params `__reduce__` sent, without checking them again."""
     so = object.__new__(StructuredOutputsParams)
     for name in KINDS:
@@ -109,6 +115,7 @@ def _from_spec(kind: str, spec: str, disable_any_whitespace: bool) -> Structured
         value = True
     setattr(so, kind, value)
     so.disable_any_whitespace, so.spec = disable_any_whitespace, spec
+    so.compile_cost = compile_cost
     return so
 
 
