@@ -112,7 +112,7 @@ def test_streamed_events_join_to_the_whole_answers_items(size) -> None:
     sent = events.openings()
     pieces = [ANSWER[i : i + size] for i in range(0, len(ANSWER), size)]
     for k, piece in enumerate(pieces):
-        sent += events.feed(piece, k == len(pieces) - 1)
+        sent += events.feed(piece, "stop" if k == len(pieces) - 1 else None)
     sent += events.close("completed", {}, {})
     data = [json.loads(e.split("data: ", 1)[1]) for e in sent]
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
@@ -138,7 +138,7 @@ def test_an_aborted_answer_is_a_failed_response() -> None:
     assert status == "failed" and details["error"]["message"] == "deadline"
     assert _status(CompletionOutput(0, "", [1], finish_reason="length"))[0] == "incomplete"
     events = ResponseEvents({"id": "resp_1", "output": []}, None, None)
-    sent = events.feed("ab", True) + events.close(status, {}, details)
+    sent = events.feed("ab", "abort") + events.close(status, {}, details)
     last = json.loads(sent[-1].split("data: ", 1)[1])
     assert last["type"] == "response.failed" and last["response"]["error"]["message"] == "deadline"
     assert last["response"]["output"][0]["status"] == "incomplete"

@@ -72,8 +72,11 @@ def test_required_builds_one_schema_over_all_tools_and_reads_its_array() -> None
     content, calls, finish = setup.read('[{"name":"b","parameters":{"q":1}}]', "stop")
     assert content is None and finish == "tool_calls"
     assert calls[0]["function"] == {"name": "b", "arguments": '{"q":1}'}  # as written
-    # Cut off by max_tokens: no call is made up from half an array.
-    assert setup.read('[{"name":"b","param', "length") == ('[{"name":"b","param', [], "length")
+    # Cut off by max_tokens: a call as far as written once its name is (what a stream sent),
+    # none before that.
+    content, calls, finish = setup.read('[{"name":"b","param', "length")
+    assert (content, finish) == (None, "length") and calls[0]["function"]["arguments"] == ""
+    assert setup.read('[{"name":"b', "length") == ('[{"name":"b', [], "length")
 
 
 def test_mistral_reads_the_json_array_and_the_name_args_forms() -> None:
@@ -120,7 +123,7 @@ def test_a_streamed_answer_adds_up_to_its_parse(fmt, text) -> None:
     stream = ToolCallStream(setup)
     content, names, args, pieces = "", {}, {}, 0
     steps = [stream.feed(ch) for ch in text]
-    last = stream.finish()
+    last = stream.finish("stop")
     for delta, calls in [*steps, last[:2]]:
         content += delta
         for call in calls:
@@ -131,7 +134,7 @@ def test_a_streamed_answer_adds_up_to_its_parse(fmt, text) -> None:
             args[i] = args.get(i, "") + call["function"]["arguments"]
             pieces += 1
     expected_content, expected_calls = setup.parse(text)
-    assert last[2] == bool(expected_calls)
+    assert last[2] == ("tool_calls" if expected_calls else "stop")
     assert [names[i] for i in sorted(names)] == [c.name for c in expected_calls]
     assert [args[i] for i in sorted(args)] == [c.arguments for c in expected_calls]
     if expected_calls:
@@ -139,6 +142,80 @@ def test_a_streamed_answer_adds_up_to_its_parse(fmt, text) -> None:
         assert content.strip() == (expected_content or "")
     else:
         assert content == text
+
+
+def _streamed(setup, text: str, finish_reason: str) -> tuple[str, list[tuple], str | None]:
+    """What a client makes of `text` streamed one character at a time and finished with
+    `finish_reason`: the content, each call's (name, arguments), the finish_reason."""
+    stream = ToolCallStream(setup)
+    content, calls = "", {}
+    last = stream.finish  # called after the feeds below
+    deltas = [stream.feed(ch) for ch in text]
+    rest, more, finish = last(finish_reason)
+    for delta, call_deltas in [*deltas, (rest, more)]:
+        content += delta
+        for call in call_deltas:
+            name, args = calls.get(call["index"], (None, ""))
+            calls[call["index"]] = (name or call["function"]["name"],
+                                    args + call["function"]["arguments"])  # fmt: skip
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+CUT_OFF = [(fmt, text, "auto") for fmt, text in STREAMED[:4]] + [
+    ("generic", '{"tool_calls":[{"name":"get_weather","arguments":{"c":"P"}},'
+     '{"name":"book","arguments":{}},{"name":"get_weather","arguments":{"c":"Q"}}]}', "required"),
+    ("hermes", '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
+     '{"name": "book", "parameters": {"n": [1, 2]}}]', "required"),  # JSON array, any format
+    ("mistral", 'Ok [TOOL_CALLS]get_weather[ARGS]{"c": "X"}[TOOL_CALLS]book[ARGS]{}', "auto"),
+    ("hermes", "Just text with a <tool and < signs.", "auto"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fmt", "text", "mode"), CUT_OFF,
+                         ids=[f"{f}-{m}-{i}" for i, (f, _, m) in enumerate(CUT_OFF)])  # fmt: skip
+def test_an_answer_cut_off_anywhere_reads_the_same_whole_and_streamed(fmt, text, mode) -> None:
+    """max_tokens may end an answer at any character: whole or streamed, it gives the same
+    calls (the complete ones, and an unfinished last one as far as the stream sent it), the
+    same content and finish_reason "length"."""
+    setup = tool_setup(TOOLS, mode, fmt)
+    made_calls = False
+    for cut in range(len(text) + 1):
+        whole_content, whole_calls, whole_finish = setup.read(text[:cut], "length")
+        content, calls, finish = _streamed(setup, text[:cut], "length")
+        where = f"cut at {cut}: {text[:cut]!r}"
+        assert finish == whole_finish == "length", where
+        named = [(c["function"]["name"], c["function"]["arguments"]) for c in whole_calls]
+        assert calls == named, where
+        assert content.strip() == (whole_content or "").strip(), where
+        made_calls = made_calls or bool(calls)
+    assert made_calls == (setup.parse(text)[1] != [])
+
+
+def test_a_cut_off_required_answer_keeps_its_complete_calls() -> None:
+    """The issue's case: SmolLM2 repeating its call until max_tokens, whole and streamed."""
+    setup = tool_setup(WEATHER, "required", "generic")
+    call = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+    text = '{"tool_calls":[' + ",".join([call] * 3) + ',{"name":"get_weather","arguments":{"ci'
+    content, calls, finish = setup.read(text, "length")
+    assert content is None and finish == "length"
+    assert [c["function"]["arguments"] for c in calls] == ['{"city":"Paris"}'] * 3 + ['{"ci']
+    assert _streamed(setup, text, "length")[1:] == (
+        [(c["function"]["name"], c["function"]["arguments"]) for c in calls],
+        "length",
+    )
+    # Finished whole (not cut off), the same calls read as "tool_calls".
+    whole = '{"tool_calls":[' + ",".join([call] * 3) + "]}"
+    assert setup.read(whole, "stop")[2] == "tool_calls" and len(setup.read(whole, "stop")[1]) == 3
+
+
+def test_a_named_function_cut_off_is_its_call_whole_and_streamed() -> None:
+    setup = tool_setup(TOOLS, {"type": "function", "function": {"name": "book"}}, "generic")
+    content, calls, finish = setup.read('{"n": [1, 2', "length")
+    assert content is None and finish == "length"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("book", '{"n": [1, 2')
+    ]
+    assert setup.read('{"n": []}', "stop")[1][0]["function"]["arguments"] == '{"n": []}'
 
 
 @pytest.mark.parametrize(

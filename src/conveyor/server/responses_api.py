@@ -11,40 +11,38 @@ written as Responses output items, whole or streamed (server/responses_stream.py
     usage   input_tokens (cached_tokens: the prefix cache's), output_tokens (reasoning_tokens:
             the thinking's text re-tokenized, an estimate within a token or two), total_tokens
 
-`store` (OpenAI's default: true) keeps the response in memory, in a least-recently-used
-store of STORE_SIZE responses: `previous_response_id` continues its conversation (its inputs
-and outputs come before the new input; its instructions do not), GET and DELETE
-/v1/responses/{id} read and drop it. An evicted or unknown id is a 404, and so is another
-tenant's (with --api-key: another key's; with --cache-salt-from: another tenant's). Nothing
-survives a restart, and data-parallel replicas share the one store of the API server.
+`store` (OpenAI's default: true) keeps the response in memory (server/response_store.py:
+bounded in bytes, each tenant its own quota): `previous_response_id` continues its
+conversation (its inputs and outputs come before the new input; its instructions do not), GET
+and DELETE /v1/responses/{id} read and drop it. An evicted or unknown id is a 404, and so is
+another tenant's (with --api-key: another key's; with --cache-salt-from: another tenant's).
+A response too big for one entry (--responses-store-entry-bytes) is not stored: a 400 before
+anything runs when the request set `store: true` itself and its input alone is too big, else
+answered with `store: false` (as vLLM answers when its store is off). Nothing survives a
+restart, and data-parallel replicas share the one store of the API server.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.chat import ChatPlan, prepare_chat, whole_output
+from conveyor.server.clients import request_arrival
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
-from conveyor.server.offload import INLINE_CHARS, maybe_off_loop
-from conveyor.server.responses_protocol import (
-    CHAT_TO_RESPONSES,
-    ResponsesRequest,
-    input_messages,
-    to_chat_request,
-)
+from conveyor.server.offload import INLINE_CHARS, INLINE_TOKENS, maybe_off_loop
+from conveyor.server.response_store import ResponseStore
+from conveyor.server.responses_input import input_messages
+from conveyor.server.responses_protocol import CHAT_TO_RESPONSES, ResponsesRequest, to_chat_request
 from conveyor.server.responses_stream import ResponseEvents, item_id, output_items
 from conveyor.server.streaming import sse_response
 from conveyor.structured.request import relabeled
-
-STORE_SIZE = 256
 
 # Chat's names in error messages, as the Responses request calls them.
 _RENAMED_IN_MESSAGES = {
@@ -52,61 +50,7 @@ _RENAMED_IN_MESSAGES = {
     "max_completion_tokens": "max_output_tokens",
     "reasoning_effort=": "reasoning.effort=",
 }
-
-
-@dataclass(slots=True)
-class _Stored:
-    response: dict[str, Any]
-    previous: str | None
-    messages: list[dict[str, Any]]  # this turn's input and output, as chat messages
-    owner: bytes  # a hash of the tenant that created it (b"": a server without tenants)
-
-
-class ResponseStore:
-    """The last `size` stored responses by id, least recently used evicted first; each is
-    seen only by its owner (`owner`: a hash of the request's tenant, b"" without tenants)."""
-
-    def __init__(self, size: int = STORE_SIZE) -> None:
-        self._size = size
-        self._entries: OrderedDict[str, _Stored] = OrderedDict()
-
-    def put(
-        self, response: dict[str, Any], previous: str | None, messages: list[dict], owner: bytes
-    ) -> None:
-        self._entries[response["id"]] = _Stored(response, previous, messages, owner)
-        self._entries.move_to_end(response["id"])
-        while len(self._entries) > self._size:
-            self._entries.popitem(last=False)
-
-    def _entry(self, response_id: str, owner: bytes, param: str | None = None) -> _Stored:
-        entry = self._entries.get(response_id)
-        if entry is None or entry.owner != owner:
-            raise APIError(
-                f"No stored response with id {response_id[:80]!r} (this server keeps the last "
-                f"{self._size} responses created with store true, in memory).",
-                param=param,
-                status=404,
-            )
-        self._entries.move_to_end(response_id)
-        return entry
-
-    def get(self, response_id: str, owner: bytes) -> dict[str, Any]:
-        return self._entry(response_id, owner).response
-
-    def delete(self, response_id: str, owner: bytes) -> None:
-        self._entry(response_id, owner)
-        del self._entries[response_id]
-
-    def history(self, response_id: str, owner: bytes) -> list[dict[str, Any]]:
-        """The messages of the conversation up to and including `response_id`'s answer."""
-        turns, seen = [], set()
-        next_id: str | None = response_id
-        while next_id is not None and next_id not in seen:
-            seen.add(next_id)
-            entry = self._entry(next_id, owner, "previous_response_id")
-            turns.append(entry.messages)
-            next_id = entry.previous
-        return [m for turn in reversed(turns) for m in turn]
+_JSON = "application/json"
 
 
 async def create_response(
@@ -122,19 +66,27 @@ async def create_response(
     """
     req.check()
     previous = req.previous_response_id
-    history = store.history(previous, owner) if previous else []
+    history = await _history(store, previous, owner) if previous else []
     try:
         plan = await prepare_chat(ctx, to_chat_request(req, history))
     except APIError as exc:
         raise _renamed(exc) from None
-    ctx.admit(plan.params.n)
     response_id = item_id("resp")
-    param = CHAT_TO_RESPONSES.get(plan.param or "", plan.param)
-    stream = relabeled(ctx.engine.generate(plan.prompt_ids, plan.params, response_id), param)
     response = _skeleton(ctx, req, response_id)
     turn = input_messages(req.input)
+    size_hint = len(plan.prompt_ids)  # tokens: how big its JSON may be, to encode it off loop
+    if req.store:
+        response["store"] = await _storable(store, req, response, turn, size_hint)
+    ctx.admit(plan.params.n)
+    param = CHAT_TO_RESPONSES.get(plan.param or "", plan.param)
+    stream = relabeled(
+        ctx.engine.generate(
+            plan.prompt_ids, plan.params, response_id, arrival_time=request_arrival()
+        ),
+        param,
+    )
     if req.stream:
-        events = _events(ctx, store, req, stream, plan, response, turn, owner)
+        events = _events(ctx, store, stream, plan, response, turn, owner)
         return sse_response(events, done=False)
     final = await whole_output(stream)
     c = final.outputs[0]
@@ -151,15 +103,81 @@ async def create_response(
         usage=await _usage(ctx, len(plan.prompt_ids), c, final.num_cached_tokens, thinking),
         **details,
     )
-    if req.store:
-        store.put(response, previous, turn + input_messages(response["output"]), owner)
-    return JSONResponse(response)
+    size_hint += len(c.token_ids)
+    body = await _put(store, response, previous, turn, owner, size_hint)
+    if body is None:
+        (body,) = await maybe_off_loop(size_hint, INLINE_TOKENS, _json, response)
+    return Response(body, media_type=_JSON)
+
+
+async def _history(store: ResponseStore, previous: str, owner: bytes) -> list[dict[str, Any]]:
+    """The messages of the stored conversation `previous` ends (404 if it is not stored)."""
+    turns = store.history(previous, owner)
+    size = sum(len(t) for t in turns)
+    return await maybe_off_loop(size, INLINE_CHARS, _messages_of, turns)
+
+
+def _messages_of(turns: list[bytes]) -> list[dict[str, Any]]:
+    return [m for turn in turns for m in json.loads(turn)]
+
+
+def _json(*values: Any) -> list[bytes]:
+    """Each value's JSON, as JSONResponse writes it (so a stored response is served as is)."""
+    return [
+        json.dumps(v, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        for v in values
+    ]
+
+
+async def _storable(
+    store: ResponseStore,
+    req: ResponsesRequest,
+    response: dict[str, Any],
+    turn: list[dict[str, Any]],
+    size_hint: int,
+) -> bool:
+    """Whether the response may be stored, as far as its request tells (the output adds to
+    it). Too big: not stored, or a 400 when the request set `store: true` itself.
+
+    Raises:
+        APIError: 400 (param store), the request alone is over the store's entry cap.
+    """
+    size = sum(map(len, await maybe_off_loop(size_hint, INLINE_TOKENS, _json, response, turn)))
+    if store.fits(size):
+        return True
+    if "store" in req.model_fields_set:
+        raise APIError(
+            f"store=true was refused: this response would take over {size} bytes (its input "
+            "and settings as JSON), more than one stored response may hold on this server "
+            f"({store.entry_bytes}, --responses-store-entry-bytes). Send store false, or less.",
+            param="store",
+        )
+    return False
+
+
+async def _put(
+    store: ResponseStore,
+    response: dict[str, Any],
+    previous: str | None,
+    turn: list[dict[str, Any]],
+    owner: bytes,
+    size_hint: int,
+) -> bytes | None:
+    """Store a finished response whose `store` is true: its JSON as stored (and sent), or
+    None, not stored (its `store` is false then: it did not fit, or was not asked for)."""
+    if not response["store"]:
+        return None
+    messages = turn + input_messages(response["output"])
+    body, turn_json = await maybe_off_loop(size_hint, INLINE_TOKENS, _json, response, messages)
+    if store.put(response["id"], body, turn_json, previous, owner):
+        return body
+    response["store"] = False
+    return None
 
 
 async def _events(
     ctx: ServingContext,
     store: ResponseStore,
-    req: ResponsesRequest,
     stream: AsyncIterator[RequestOutput],
     plan: ChatPlan,
     response: dict[str, Any],
@@ -177,7 +195,7 @@ async def _events(
             if last is not None and last.finish_reason is not None:
                 continue  # a finished answer's later outputs
             last, num_generated = c, num_generated + len(c.token_ids)
-            for event in events.feed(c.text, c.finish_reason is not None):
+            for event in events.feed(c.text, c.finish_reason):
                 yield event
     assert last is not None
     status, details = _status(last)
@@ -187,11 +205,11 @@ async def _events(
         counts["output_tokens_details"]["reasoning_tokens"], num_generated
     )
     counts["total_tokens"] = counts["input_tokens"] + num_generated
-    for event in events.close(status, counts, details):
+    for event in events.done(status, counts, details):
         yield event
-    if req.store:
-        output = events.response["output"]
-        store.put(events.response, req.previous_response_id, turn + input_messages(output), owner)
+    size_hint = len(plan.prompt_ids) + num_generated
+    await _put(store, events.response, response["previous_response_id"], turn, owner, size_hint)
+    yield events.last()  # its `store` says whether it was stored
 
 
 def _item_status(status: str) -> str:
@@ -248,7 +266,7 @@ def _skeleton(ctx: ServingContext, req: ResponsesRequest, response_id: str) -> d
         "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
-        "reasoning": req.reasoning or {"effort": None, "summary": None},
+        "reasoning": req.echoed_reasoning(),
         "store": bool(req.store),
         "temperature": req.temperature,
         "text": req.text or {"format": {"type": "text"}},

@@ -6,11 +6,7 @@ the chat template, tool parsing, the reasoning parser, structured outputs):
 
     instructions                     a system message before everything else
     input (a string)                 one user message
-    input items                      message items (user, system, developer, assistant; content
-                                     a string or input_text / output_text parts) as messages;
-                                     function_call items as the assistant message's tool_calls;
-                                     function_call_output items as `tool` messages; reasoning
-                                     items are dropped (templates drop old thinking too)
+    input items                      chat messages (server/responses_input.py)
     tools ({"type": "function", "name", "parameters", ...})   chat's nested tools
     tool_choice {"type": "function", "name": F}                chat's named function
     text.format (text, json_object, json_schema)              response_format
@@ -19,19 +15,31 @@ the chat template, tool parsing, the reasoning parser, structured outputs):
 
 Every field is honoured, an accepted no-op hint or refused with a 400 naming it, as on the
 other endpoints (server/request_fields.py's RESPONSES_REFUSED and RESPONSES_HINTS;
-tests/test_responses_api.py audits them against the openai SDK's parameters).
+tests/test_responses_api.py audits them against the openai SDK's parameters). What a stored
+response echoes is bounded too: a key OpenAI does not define in `reasoning`, `text`,
+`text.format`, a tool, `tool_choice` or `stream_options` is a 400 naming it, `metadata` is
+chat's (16 pairs, keys 64 and values 512 characters), `safety_identifier` OpenAI's 64
+characters, `user` and `prompt_cache_key` MAX_HINT_CHARS.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from conveyor.server.errors import APIError
-from conveyor.server.protocol import Bool, ChatCompletionRequest, Float, Int, OpenAIModel
+from conveyor.server.protocol import (
+    Bool,
+    ChatCompletionRequest,
+    Float,
+    Int,
+    Metadata,
+    OpenAIModel,
+)
 from conveyor.server.request_fields import RESPONSES_REFUSED, check_refused
+from conveyor.server.responses_input import input_messages
 
 # A chat request's field -> the Responses field it came from (for the `param` of a 400).
 CHAT_TO_RESPONSES = {
@@ -41,8 +49,16 @@ CHAT_TO_RESPONSES = {
     "reasoning_effort": "reasoning",
     "verbosity": "text",
 }
-_MESSAGE_ROLES = ("user", "system", "developer", "assistant")
-_TEXT_PARTS = ("input_text", "output_text")
+# The keys OpenAI defines for each object a response echoes.
+_REASONING_KEYS = ("effort", "summary", "generate_summary")
+_TEXT_KEYS = ("format", "verbosity")
+_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",),
+                "json_schema": ("type", "name", "schema", "strict", "description")}  # fmt: skip
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+_TOOL_CHOICE_KEYS = ("type", "name")
+_STREAM_OPTIONS_KEYS = ("include_obfuscation",)
+# `user` and `prompt_cache_key` (OpenAI states no bound; safety_identifier's is 64).
+MAX_HINT_CHARS = 256
 
 
 class ResponsesRequest(OpenAIModel):
@@ -67,11 +83,11 @@ class ResponsesRequest(OpenAIModel):
     previous_response_id: str | None = None
     cache_salt: str | None = None  # vLLM's, as on the other endpoints (server/tenancy.py)
     # OpenAI's hints, accepted and type-checked, changing nothing (RESPONSES_HINTS).
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    metadata: Metadata | None = None
+    user: Annotated[str, Field(max_length=MAX_HINT_CHARS)] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=MAX_HINT_CHARS)] | None = None
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
     max_tool_calls: Int | None = None  # caps built-in tools' calls: this server has none
     stream_options: dict[str, Any] | None = None  # include_obfuscation: no padding is sent
     # Refused unless they ask for nothing (RESPONSES_REFUSED).
@@ -90,10 +106,23 @@ class ResponsesRequest(OpenAIModel):
     image: dict[str, Any] | None = None
 
     def check(self) -> None:
-        """The refused fields (400 naming the first one that asks for something)."""
+        """The refused fields (400 naming the first one that asks for something), and the
+        keys of the objects only echoed back."""
         check_refused(self, RESPONSES_REFUSED)
         if self.input is None or self.input == []:
             raise APIError("input is required (a string or a list of input items).", "input")
+        if self.stream_options is not None:
+            known_keys(self.stream_options, _STREAM_OPTIONS_KEYS, "stream_options")
+            obfuscation = self.stream_options.get("include_obfuscation")
+            if obfuscation is not None and not isinstance(obfuscation, bool):
+                raise APIError(
+                    "stream_options.include_obfuscation must be true or false.", "stream_options"
+                )
+
+    def echoed_reasoning(self) -> dict[str, Any]:
+        """`reasoning` as the response object shows it (its keys checked by to_chat_request)."""
+        reasoning = self.reasoning or {}
+        return {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}
 
 
 def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -132,83 +161,6 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
         raise APIError(f"{'.'.join(loc) or 'body'}: {error.get('msg')}", param=param) from None
 
 
-def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Chat messages of a Responses `input` (the module docstring)."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    messages: list[dict[str, Any]] = []
-    for i, item in enumerate(value or ()):
-        where = f"input[{i}]"
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role not in _MESSAGE_ROLES:
-                raise APIError(
-                    f"{where}.role must be one of {_MESSAGE_ROLES}, got {role!r}.", "input"
-                )
-            messages.append(
-                {"role": role, "content": _text(item.get("content"), f"{where}.content")}
-            )
-        elif kind == "function_call":
-            call = {
-                "id": _string(item, "call_id", where),
-                "type": "function",
-                "function": {
-                    "name": _string(item, "name", where),
-                    "arguments": _string(item, "arguments", where),
-                },
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            content = output if isinstance(output, str) else _text(output, f"{where}.output")
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": _string(item, "call_id", where),
-                    "content": content,
-                }
-            )
-        elif kind != "reasoning":
-            raise APIError(
-                f"{where} is a {kind!r} item: this server takes message, function_call, "
-                "function_call_output and reasoning items.",
-                param="input",
-            )
-    return messages
-
-
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise APIError(f"{where}.{key} must be a string.", param="input")
-    return value
-
-
-def _text(content: Any, where: str) -> str | list[dict[str, str]]:
-    """A message's content: a string, or its text parts as chat's text parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(f"{where} must be a string or a list of parts.", param="input")
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get("refusal" if kind == "refusal" else "text") if kind else None
-        if kind not in (*_TEXT_PARTS, "refusal") or not isinstance(text, str):
-            raise APIError(
-                f"{where}[{j}] is a {str(kind)[:40]!r} part: this server takes text "
-                "parts only (input_text, output_text).",
-                param="input",
-            )
-        parts.append({"type": "text", "text": text})
-    return parts
-
-
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Responses' flat function tools as chat's nested ones."""
     if tools is None:
@@ -223,10 +175,14 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
                 param="tools",
             )
         if "function" in tool and "name" not in tool:  # chat's shape: taken as it is
+            known_keys(tool, ("type", "function"), "tools", f"tools[{i}]")
+            if isinstance(tool["function"], dict):
+                known_keys(tool["function"], _FUNCTION_KEYS, "tools", f"tools[{i}].function")
             out.append(tool)
             continue
-        keys = ("name", "description", "parameters", "strict")
-        out.append({"type": "function", "function": {k: tool[k] for k in keys if k in tool}})
+        known_keys(tool, ("type", *_FUNCTION_KEYS), "tools", f"tools[{i}]")
+        function = {k: tool[k] for k in _FUNCTION_KEYS if k in tool}
+        out.append({"type": "function", "function": function})
     return out
 
 
@@ -234,6 +190,7 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, An
     if not isinstance(choice, dict):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        known_keys(choice, _TOOL_CHOICE_KEYS, "tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
     raise APIError(
         f'tool_choice must be "none", "auto", "required" or {{"type": "function", "name": ...}}, '
@@ -246,14 +203,14 @@ def _text_fields(text: dict[str, Any] | None) -> dict[str, Any]:
     """`text` ({"format": ..., "verbosity": ...}) as chat's response_format and verbosity."""
     if not text:
         return {}
-    unknown = set(text) - {"format", "verbosity"}
-    if unknown:
-        raise APIError(f"text.{sorted(unknown)[0]} is not supported.", param="text")
+    known_keys(text, _TEXT_KEYS, "text")
     fmt = text.get("format")
     out: dict[str, Any] = {"verbosity": text.get("verbosity")}
     if fmt is None:
         return out
     kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in _FORMAT_KEYS:
+        known_keys(fmt, _FORMAT_KEYS[kind], "text", "text.format")
     if kind == "json_schema":
         keys = ("name", "schema", "strict", "description")
         out["response_format"] = {
@@ -275,6 +232,7 @@ def _reasoning_fields(reasoning: dict[str, Any] | None) -> dict[str, Any]:
     a summary is refused: the thinking comes back whole, as a reasoning item."""
     if not reasoning:
         return {}
+    known_keys(reasoning, _REASONING_KEYS, "reasoning")
     asked = {k for k, v in reasoning.items() if v is not None and k != "effort"}
     if asked:
         raise APIError(
@@ -283,3 +241,22 @@ def _reasoning_fields(reasoning: dict[str, Any] | None) -> dict[str, Any]:
             param="reasoning",
         )
     return {"reasoning_effort": reasoning.get("effort")}
+
+
+def known_keys(value: dict[str, Any], known: tuple[str, ...], param: str, where: str = "") -> None:
+    """400 (param `param`) naming the first keys of `value` that are not in `known`.
+
+    Args:
+        where: how the message calls the object (default: `param`).
+    """
+    unknown = [k for k in value if k not in known]
+    if not unknown:
+        return
+    where = where or param
+    named = ", ".join(f"{where}.{str(k)[:40]}" for k in unknown[:3])
+    more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+    raise APIError(
+        f"{named}{more}: unrecognized argument{'s' if len(unknown) > 1 else ''} ({where} "
+        f"takes {', '.join(known)}).",
+        param=param,
+    )

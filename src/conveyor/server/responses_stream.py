@@ -105,10 +105,11 @@ class ResponseEvents:
             self._event("response.in_progress", response=self.response),
         ]
 
-    def feed(self, text: str, finished: bool) -> list[str]:
-        """The events of the answer's next `text` (`finished`: the answer is complete)."""
+    def feed(self, text: str, finish_reason: str | None) -> list[str]:
+        """The events of the answer's next `text` (`finish_reason`: the answer is complete)."""
         events: list[str] = []
         thinking = ""
+        finished = finish_reason is not None
         if self._reasoning is not None:
             thinking, text = self._reasoning.feed(text)
             if finished:
@@ -125,7 +126,7 @@ class ResponseEvents:
         elif self._calls is not None:
             content, calls = self._calls.feed(text)
             if finished:
-                rest, more, _ = self._calls.finish()
+                rest, more, _ = self._calls.finish(finish_reason)
                 content, calls = content + rest, calls + more
             if content:
                 events += self._delta("message", content)
@@ -137,15 +138,23 @@ class ResponseEvents:
         return events
 
     def close(self, status: str, usage: dict[str, Any], details: dict[str, Any]) -> list[str]:
-        """The last events: the open item done, then response.completed (or .incomplete,
-        .failed: `status`), whose response carries `usage` and `details` (what explains it)."""
+        """The last events: `done`'s, then `last`'s."""
+        return [*self.done(status, usage, details), self.last()]
+
+    def done(self, status: str, usage: dict[str, Any], details: dict[str, Any]) -> list[str]:
+        """The open item's last events; `self.response` is then the finished response, with
+        `status`, `usage` and `details` (what explains the status)."""
         events = []
         if all(item["type"] == "reasoning" for item in self.output):
             events += self._delta("message", "")  # no text, no call: one empty message
         events += self._close("completed" if status == "completed" else "incomplete")
         self.response = {**self.response, "status": status, "output": self.output}
         self.response.update(usage=usage, **details)
-        return [*events, self._event(f"response.{status}", response=self.response)]
+        return events
+
+    def last(self) -> str:
+        """response.completed (or .incomplete, .failed) with the finished response."""
+        return self._event(f"response.{self.response['status']}", response=self.response)
 
     def _delta(self, kind: str, text: str) -> list[str]:
         """Text for the open message or reasoning item (opening a new one if needed)."""

@@ -372,9 +372,14 @@ def snapshot_generic(text: str) -> Snapshot:
     if not text.startswith("{"):
         return text, []
     scan = _scan_object(text, 0)
-    if scan is None or scan.open_key != "tool_calls" or not text.startswith("[", scan.open_start):
+    if scan is None:
         return "", []
-    return "", _partial_sequence(text, scan.open_start + 1, ",", ("arguments",))
+    start = scan.open_start if scan.open_key == "tool_calls" else None
+    if "tool_calls" in scan.members:  # the array is whole, the envelope not yet closed
+        start = scan.members["tool_calls"][1]
+    if start is None or not text.startswith("[", start):
+        return "", []
+    return "", _partial_sequence(text, start + 1, ",", ("arguments",))
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,11 @@ Calls come back as `message.tool_calls` (ids `call-...`); finish_reason is "tool
 "auto" or "required" produced calls, "stop" for a named function (as vLLM and OpenAI do).
 Streamed, text is sent as it comes until a call begins; each call then streams as OpenAI's
 tool-call deltas (its id and name first, then its arguments as they are written).
+
+Whole or streamed, a finished answer is read once, by `ToolSetup.answer`, so both give the same
+calls. An answer cut off (finish_reason "length" or "abort", which it keeps) gives its complete
+calls and an unfinished last one as far as it is written: the part a stream has already sent,
+which it cannot take back, as OpenAI's own cut-off calls come.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ from conveyor.structured.params import StructuredOutputsParams
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ANY_OBJECT = {"type": "object", "properties": {}}
 _BLANKS = " \t\r\n"
+# An answer the engine ended early (max_tokens or the context; a deadline): its last call may
+# be unfinished.
+_CUT_OFF = ("length", "abort")
 
 
 @dataclass(slots=True)
@@ -127,20 +135,31 @@ class ToolSetup:
             return (text, []) if calls is None else (None, calls)
         return TOOL_CALL_PARSERS[self.format].parse(text)
 
+    def answer(
+        self, text: str, finish_reason: str | None
+    ) -> tuple[str | None, list[ToolCall], str | None]:
+        """(content, calls, finish_reason) of a finished answer: the one reading of a whole
+        answer (`read`) and of a stream's end (`ToolCallStream.finish`). A cut-off answer
+        keeps its finish_reason and its calls as far as written (the module docstring)."""
+        if self.mode == "named":  # its arguments are the whole text, streamed as they come
+            return None, [ToolCall(str(self.named), text)], finish_reason
+        if self.mode == "none":
+            return text, [], finish_reason
+        content, calls = self.parse(text)
+        cut_off = finish_reason in _CUT_OFF
+        if not calls and cut_off:
+            content, partial = self.snapshot(text)
+            calls = [ToolCall(c.name, c.arguments) for c in _named(partial)]
+            content = content.strip() or None
+        if not calls:
+            return text, [], finish_reason
+        return content, calls, finish_reason if cut_off else "tool_calls"
+
     def read(
         self, text: str, finish_reason: str | None
     ) -> tuple[str | None, list[dict], str | None]:
         """(content, tool_calls, finish_reason) of a finished choice's text."""
-        calls: list[ToolCall] = []
-        content: str | None = text
-        if self.mode == "named" and finish_reason == "stop":
-            calls, content = [ToolCall(str(self.named), text)], None
-        elif self.mode in ("auto", "required"):
-            content, calls = self.parse(text)
-        if not calls:
-            return text, [], finish_reason
-        if self.mode in ("auto", "required"):
-            finish_reason = "tool_calls"
+        content, calls, finish_reason = self.answer(text, finish_reason)
         return content, [tool_call_dict(c) for c in calls], finish_reason
 
 
@@ -169,15 +188,15 @@ class ToolCallStream:
         content, calls = self._setup.snapshot(self._text)
         return self._content_delta(content), self._call_deltas(calls)
 
-    def finish(self) -> tuple[str, list[dict[str, Any]], bool]:
-        """The last deltas once the answer is complete, and whether it made calls (as
-        ToolSetup.read finds them). A call that turns out malformed (or cut off) after its
-        first deltas were sent stays as sent."""
-        calls = self._setup.parse(self._text)[1]
+    def finish(self, finish_reason: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
+        """The last deltas once the answer is complete, and its finish_reason, read by
+        ToolSetup.answer as the whole answer is. A call that turns out malformed in an answer
+        that was not cut off, after its first deltas were sent, stays as sent."""
+        _, calls, finish_reason = self._setup.answer(self._text, finish_reason)
         if not calls and not self._calls:
-            return self._content_delta(self._text), [], False
+            return self._content_delta(self._text), [], finish_reason
         partial = [PartialCall(c.name, c.arguments) for c in calls]
-        return "", self._call_deltas(partial), bool(calls)
+        return "", self._call_deltas(partial), finish_reason
 
     def _content_delta(self, content: str) -> str:
         if len(content) <= self._content:
@@ -187,9 +206,7 @@ class ToolCallStream:
 
     def _call_deltas(self, calls: list[PartialCall]) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
-        for i, call in enumerate(calls):
-            if call.name is None:
-                break
+        for i, call in enumerate(_named(calls)):
             if i == len(self._calls):
                 self._calls.append((call.name, call.arguments))
                 deltas.append({"index": i, **tool_call_dict(ToolCall(call.name, call.arguments))})
@@ -204,10 +221,14 @@ class ToolCallStream:
         return deltas
 
 
-def _compact(value: Any) -> str:
-    if isinstance(value, str):
-        value = json.loads(value)
-    return json.dumps(value, ensure_ascii=False)
+def _named(calls: list[PartialCall]) -> list[PartialCall]:
+    """The calls up to the first whose name is not yet complete (what a stream can send)."""
+    out = []
+    for call in calls:
+        if call.name is None:
+            break
+        out.append(call)
+    return out
 
 
 def tool_call_dict(call: ToolCall) -> dict[str, Any]:
