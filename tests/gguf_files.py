@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,8 @@ def write_gguf(
     embed_qtype: QType | None = None,
     seed: int = 0,
     metadata: dict[str, tuple[Any, gguf.GGUFValueType]] | None = None,
+    drop: tuple[str, ...] = (),
+    edit: Callable[[str, np.ndarray], np.ndarray | tuple[np.ndarray, QType]] | None = None,
 ) -> Path:
     """Write `checkpoint` (an HF folder of tests/hf_checkpoints.py) as the GGUF file `out`.
 
@@ -89,6 +92,9 @@ def write_gguf(
         metadata: {key: (value, value type)} written instead of (or besides) what the
             checkpoint gives, e.g. a hostile `llama.block_count` (`{arch}` in a key is the
             file's architecture).
+        drop: metadata keys left out (e.g. "tokenizer.ggml.merges").
+        edit: (GGUF name, float32 values) -> the values to write instead, in the file's type,
+            or (raw array, type) written as they are (bytes labelled as that type, say).
     """
     cfg = json.loads((checkpoint / "config.json").read_text())
     arch = _ARCH[cfg["model_type"]]
@@ -116,6 +122,11 @@ def write_gguf(
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             value = _permute_rows(value, heads if "q_proj" in name else kv_heads)
         t = embed_qtype if (embed_qtype is not None and "embed_tokens" in name) else qtype
+        edited = value if edit is None else edit(gguf_name(name), value)
+        if isinstance(edited, tuple):
+            w.add_tensor(gguf_name(name), edited[0], raw_dtype=edited[1])
+            continue
+        value = edited
         if value.ndim == 1 or t == QType.F32:
             w.add_tensor(gguf_name(name), value)
         elif t in _K_QUANTS:
@@ -126,6 +137,8 @@ def write_gguf(
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim))
     for key, (value, vtype) in (metadata or {}).items():
         w.kv_data[0][key.format(arch=arch)] = gguf.GGUFValue(value=value, type=vtype)
+    for key in drop:
+        del w.kv_data[0][key.format(arch=arch)]
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -3,26 +3,30 @@
 Text is refused before it is tokenized when it is longer than `MAX_CHARS_PER_TOKEN`
 characters per token of the model's context: no text that long fits. Tokenizers average 3-5
 characters per token on prose and code; only text made mostly of one long repeated run could
-exceed 32, and it would not fit in far fewer characters either.
+exceed 32, and it would not fit in far fewer characters either. Chat messages count the same
+way, each with a token's worth of characters for its header (chat_template.py's docstring).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 from conveyor.entrypoints.async_llm import AsyncLLM, PromptError
 from conveyor.sampling_params import SamplingParams
+from conveyor.server.chat_template import check_message_count, template_chars, template_messages
 from conveyor.server.chat_template import template_kwargs as checked_template_kwargs
 from conveyor.server.errors import APIError
-from conveyor.server.offload import INLINE_CHARS, maybe_off_loop, off_loop
+from conveyor.server.offload import INLINE_CHARS, maybe_off_loop, off_loop, text_pool
 from conveyor.server.protocol import ChatMessage
 from conveyor.server.reasoning import ReasoningParser, thinking_disabled
 from conveyor.server.request_fields import add_template_fields
 from conveyor.server.tool_fallback import fallback_messages
 from conveyor.server.tool_parsers import detect_tool_format
 from conveyor.server.tools import ToolSetup
+from conveyor.structured.grammar_checker import GrammarChecker
 
 MAX_CHARS_PER_TOKEN = 32
 
@@ -43,6 +47,9 @@ class ServingContext:
         template's, `detect_tool_format`).
     reasoning_parser: how chat answers' thinking is split off (server/reasoning.py; None:
         no split), chosen at start-up from --reasoning-parser or the tokenizer's template.
+    grammars: checks output constraints in a worker process (structured/grammar_checker.py);
+        None: in this process, unbounded (LLM-only use).
+    max_chat_messages: the most messages one chat request may hold (None: no cap).
     """
 
     engine: AsyncLLM
@@ -55,6 +62,8 @@ class ServingContext:
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: ReasoningParser | None = None
+    grammars: GrammarChecker | None = None
+    max_chat_messages: int | None = None
 
     @property
     def served_names(self) -> list[str]:
@@ -115,18 +124,27 @@ class ServingContext:
                 status=404,
             )
 
-    def check_text_length(self, num_chars: int, what: str) -> None:
+    def check_text_length(self, num_chars: int, what: str, num_messages: int = 0) -> None:
         """400 for text too long for the model's context in any tokenization (see the module
-        docstring), before it is tokenized."""
+        docstring), before it is tokenized; each of `num_messages` adds a token's worth."""
         limit = self.engine.max_model_len
         most = limit * MAX_CHARS_PER_TOKEN
-        if num_chars > most:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, your {what} "
-                f"has {num_chars} characters, more than {limit} tokens can hold (at most "
-                f"{most}: {MAX_CHARS_PER_TOKEN} per token), so it was not tokenized.",
-                param=what,
+        counted = num_chars + num_messages * MAX_CHARS_PER_TOKEN
+        if counted <= most:
+            return
+        has = f"has {num_chars} characters"
+        if num_messages:
+            has = (
+                f"have {num_chars} characters (text, tools and template variables) in "
+                f"{num_messages} messages, {counted} with {MAX_CHARS_PER_TOKEN} for each "
+                "message's header"
             )
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens. However, your {what} "
+            f"{has}, more than {limit} tokens can hold (at most {most}: "
+            f"{MAX_CHARS_PER_TOKEN} per token), so it was not tokenized.",
+            param=what,
+        )
 
     async def tokenize_prompt(
         self, prompt: str | list[int], add_special_tokens: bool = True
@@ -169,6 +187,11 @@ class ServingContext:
             return None
         return self.reasoning_parser
 
+    def check_message_count(self, num_messages: int) -> None:
+        """400 for more messages than max_chat_messages, before any is rendered."""
+        if self.max_chat_messages is not None:
+            check_message_count(num_messages, self.max_chat_messages)
+
     async def render_chat(
         self,
         messages: list[ChatMessage],
@@ -190,23 +213,27 @@ class ServingContext:
                 them (reasoning_effort, verbosity: server/request_fields.py).
             tool_setup: the request's tools (their description, for the generic format).
         Raises:
-            APIError: text too long, a refused template or template variable, a field the
-                template does not read, no template, or the template failed on these
-                messages.
+            APIError: more than max_chat_messages messages, text too long, a refused template
+                or template variable, a field the template does not read, no template, or the
+                template failed on these messages.
         """
+        self.check_message_count(len(messages))
         kwargs = checked_template_kwargs(
             template_kwargs, chat_template, self.trust_request_chat_template
         )
         if fields:
             add_template_fields(fields, self.template_source(kwargs), kwargs)
-        dumped = [m.for_template() for m in messages]
+        dumped = template_messages(messages)
         template = kwargs.get("chat_template")
         if self.tool_format(template if isinstance(template, str) else None) == "generic":
             prompt = tool_setup.system_prompt() if tool_setup is not None else None
             dumped = fallback_messages(dumped, prompt)
         elif tools:
             kwargs["tools"] = tools
-        self.check_text_length(_num_chars(dumped), "messages")
+        own = kwargs.get("chat_template")
+        variables = {k: v for k, v in kwargs.items() if k != "chat_template"}
+        size = template_chars(dumped, variables)
+        self.check_text_length(size, "messages", len(dumped))
         tokenizer = self.engine.tokenizer
         if not tokenizer.has_chat_template and "chat_template" not in kwargs:
             raise APIError(
@@ -214,12 +241,16 @@ class ServingContext:
                 param="messages",
             )
         try:
-            return await off_loop(
+            # A request's own template may cost anything: the heavy lane, whatever its size.
+            pool = text_pool(None if own else size + len(dumped) * MAX_CHARS_PER_TOKEN)
+            # Bound first: a template variable may be called `fn` or `pool`, like off_loop's own.
+            render = functools.partial(
                 tokenizer.apply_chat_template,
                 dumped,
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
             )
+            return await off_loop(render, pool=pool)
         except ValueError as exc:  # a malformed message, or the template refused them
             raise APIError(str(exc), param="messages") from exc
         except Exception as exc:  # anything else the template raised while rendering
@@ -270,14 +301,3 @@ class ServingContext:
         except PromptError as exc:
             param = what if exc.param == "prompt" else exc.param
             raise APIError(str(exc), param=param) from exc
-
-
-def _num_chars(value: Any) -> int:
-    """Characters in every string inside a message list (what a template can print)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_num_chars(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_num_chars(v) for v in value)
-    return 0

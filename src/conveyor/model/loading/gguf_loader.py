@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from conveyor.model.cpu.quant_linear import QUANT_TYPES, QuantTensor
+from conveyor.model.loading.finite_weights import check_gguf_tensor
 from conveyor.model.loading.gguf_file import GGUFFile
 from conveyor.model.loading.gguf_metadata import check_gguf_metadata, describe
 from conveyor.model.models import FAMILIES
@@ -175,7 +176,8 @@ def iter_gguf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """(HF name, tensor) for every tensor of the file, one at a time: a float32 CPU tensor
     (dequantized), or with `keep_quantized` a QuantTensor of the file's blocks for every 2-D
-    weight of a type in QUANT_TYPES (the linears and the embedding).
+    weight of a type in QUANT_TYPES (the linears and the embedding). A tensor holding a value
+    that is not finite (model/loading/finite_weights.py) raises ValueError.
 
     Args:
         config: `read_gguf_config(file)` (for the head counts that undo llama's q/k order).
@@ -190,6 +192,7 @@ def iter_gguf_tensors(
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
+        check_gguf_tensor(file, tensor)  # NaN or inf: refused, named (finite_weights.py)
         qtype = tensor.tensor_type.name
         quantized = keep_quantized and qtype in QUANT_TYPES and len(tensor.shape) == 2
         # copy=True: never alias the read-only memory map (it is closed after the load).

@@ -52,6 +52,7 @@ from conveyor.model.cpu.quant_linear import (
     set_activation_passes,
 )
 from conveyor.model.loading.checkpoint import find_gguf_file, read_config_json
+from conveyor.model.loading.finite_weights import check_torch_tensor
 from conveyor.model.loading.gguf_loader import (
     iter_gguf_tensors,
     open_gguf,
@@ -407,6 +408,9 @@ def _assign_weights(
             views = [v.dequantize() if isinstance(v, QuantTensor) else v for v in views]
         if shard is not None:
             views = [shard.slice(n, v) for (n, _), v in zip(sources, views, strict=True)]
+        for (source_name, source), view in zip(sources, views, strict=True):
+            if isinstance(source, MappedTensor):  # GGUF tensors were checked as they were read
+                check_torch_tensor(source_name, view)
         owner = model.get_submodule(name.rpartition(".")[0])
         weights = isinstance(owner, (nn.Linear, nn.Embedding))
         as_dtype = (linear_dtype or dtype) if weights else dtype
