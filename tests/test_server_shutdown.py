@@ -1,12 +1,13 @@
 """SIGTERM on a real `conveyor serve`: new requests get 503, in-flight ones finish within the
-grace period, the rest end cleanly with finish_reason "abort", and the process exits 0; plus
-the Dockerfile's health check."""
+grace period, the rest end cleanly with finish_reason "abort", and the process exits 0; a
+client still sending its request cannot hold the exit up; plus the Dockerfile's health check."""
 
 from __future__ import annotations
 
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,3 +80,44 @@ def test_sigterm_drains_then_aborts_and_exits(demo_model_dir, tmp_path) -> None:
     assert "Shutting down: no new requests" in log
     assert "aborting 1 requests" in log
     assert "Traceback" not in log
+
+
+def test_a_client_still_sending_its_request_does_not_hold_up_the_exit(
+    demo_model_dir, tmp_path
+) -> None:
+    """A request whose body still trickles in has not reached the engine: at shutdown it gets
+    503 and its connection closes, so the process exits while the client is still sending,
+    not once the body is complete (nor at uvicorn's backstop, the grace period + 5 s)."""
+    args = ["--model", str(demo_model_dir), "--num-kv-blocks", "64"]
+    args += ["--shutdown-timeout", "30", "--body-timeout", "120"]  # neither ends it first
+    server = start_server(args, tmp_path)
+    try:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 1000\r\n\r\n{"
+        )
+        sock.settimeout(0.25)
+        answer, sent = b"", 0
+        while sent < 60:  # a byte every 0.25 s: 15 s of body, far from the 1000 announced
+            if sent == 4:  # the head is in by now: stop the server
+                server.proc.send_signal(signal.SIGTERM)
+            try:
+                sock.sendall(b" ")
+                sent += 1
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionError:
+                break
+            if not chunk:
+                break
+            answer += chunk
+        sock.close()
+        assert server.proc.wait(timeout=30) == 0
+        assert sent < 60, "the server waited for the whole body before it exited"
+        assert answer.startswith(b"HTTP/1.1 503 "), answer[:100]
+        assert b"shutting down" in answer
+    finally:
+        server.stop(signal.SIGKILL)
+    assert "Traceback" not in server.log()

@@ -4,7 +4,8 @@ On SIGTERM or Ctrl-C:
     t = 0      stop admitting: new requests get 503, /health 503 (the socket stays open)
     0..grace   in-flight requests run on and finish normally
     t = grace  the rest are aborted: their streams end with finish_reason "abort" and [DONE]
-    then       (or as soon as nothing is in flight) uvicorn closes the socket, the engine loop
+    then       (or as soon as nothing is in flight) uvicorn closes the socket (a connection
+               still sending its request gets 503: server/http_limits.py), the engine loop
                stops and the process exits with status 0
 A second signal exits at once (uvicorn's force exit).
 
@@ -34,6 +35,12 @@ import uvicorn
 from conveyor.engine.config import EngineConfig
 from conveyor.heap import release_freed_memory
 from conveyor.server.config import ServerConfig
+from conveyor.server.connections import (
+    ConnectionTable,
+    connection_caps,
+    descriptors_in_use,
+    raise_open_file_limit,
+)
 
 if TYPE_CHECKING:  # imported in run_server, once the port is ours: they import torch
     from conveyor.entrypoints.async_llm import AsyncLLM
@@ -63,10 +70,11 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     )
     # Bound first: a busy port fails in milliseconds, not after the model has loaded.
     sock = bind_socket(server_config.host, server_config.port)
+    open_files = raise_open_file_limit()  # before the engine starts, so it inherits the limit
     with sock:  # closed if anything below fails (uvicorn closes it as it stops, too)
         from conveyor.entrypoints.async_llm import AsyncLLM
         from conveyor.server.app import build_app
-        from conveyor.server.http_limits import header_limited_protocol
+        from conveyor.server.http_limits import ConnectionLimits, limited_protocol
 
         engine = AsyncLLM.from_config(
             engine_config,
@@ -80,23 +88,34 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         )
         app = build_app(engine, config=server_config)
         grace = server_config.shutdown_timeout
+        table = connection_table(server_config, open_files)
+        limits = ConnectionLimits(
+            max_header_bytes=server_config.max_header_bytes,
+            header_timeout=server_config.header_timeout,
+            body_timeout=server_config.body_timeout,
+            body_min_rate=server_config.body_min_rate,
+        )
         config = uvicorn.Config(
             app,
             host=server_config.host,
             port=server_config.port,
             log_level=server_config.log_level,
-            http=header_limited_protocol(server_config.max_header_bytes),
+            http=limited_protocol(limits, table),
+            timeout_keep_alive=server_config.keep_alive_timeout,  # type: ignore[arg-type]
             # A backstop only: our own deadline aborts what is left after `grace` seconds.
             timeout_graceful_shutdown=math.ceil(grace) + 5,
         )
         logger.info(
-            "Serving %s as %s on http://%s:%d (max_model_len %d, API key %s)",
+            "Serving %s as %s on http://%s:%d (max_model_len %d, API key %s, at most %d "
+            "connections, %d per client)",
             engine.model_path,
             ", ".join(repr(name) for name in engine.served_model_names),
             server_config.host,
             server_config.port,
             engine.max_model_len,
             "required" if server_config.api_key else "not required",
+            table.max_connections,
+            table.max_per_client,
         )
         # Everything built so far (model, tokenizer, app) lives until exit: keep the cyclic GC
         # from rescanning it on every collection, which otherwise stalls streaming (and, through
@@ -109,6 +128,18 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             server.run(sockets=[sock])
     return server.exit_code
+
+
+def connection_table(server_config: ServerConfig, open_files: int) -> ConnectionTable:
+    """The connection caps (server/connections.py) for an open-file limit of `open_files`,
+    measured against the descriptors the process holds now (the model loaded)."""
+    total, per_client, lingering = connection_caps(
+        server_config.max_connections,
+        server_config.max_connections_per_client,
+        open_files,
+        descriptors_in_use(),
+    )
+    return ConnectionTable(total, per_client, lingering)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -194,7 +225,13 @@ class _GracefulServer(uvicorn.Server):
 
     def _begin_drain(self) -> None:
         self._engine.begin_shutdown(self._grace)
-        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        loop = asyncio.get_running_loop()
+        # Output-constraint checks still running when the grace period ends are killed (their
+        # requests get 503), as the engine aborts what it still has: none is waited for.
+        grammars = getattr(self.config.app.state, "grammars", None)
+        if grammars is not None:
+            loop.call_later(self._grace, grammars.close)
+        self._drain_task = loop.create_task(self._drain())
 
     async def _drain(self) -> None:
         """Stop uvicorn once every request has ended (the engine aborts what is left after the

@@ -8,6 +8,9 @@ cached_tokens` (or the time to first token) tells one client whether another sen
     header:NAME    the value of header NAME, which a trusted gateway in front of the server
                    sets (and strips from what clients send); no such header is the tenant "",
                    and the header given twice is a 400
+    none           nobody: one prefix cache shared by every client (an explicit opt-in)
+    (not given)    api-key when several API keys are configured (secure by default: keys are
+                   handed to different clients), else none
 
 The request's cache salt is then always the tenant's, combined with the request's own
 `cache_salt` if it has one:
@@ -31,7 +34,8 @@ from conveyor.sampling_params import check_cache_salt
 _DOMAIN = b"conveyor-tenant-salt-v1\x00"
 # An HTTP field name (RFC 9110's token).
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-CACHE_SALT_SOURCES = "api-key or header:NAME"
+SHARED = "none"  # --cache-salt-from none: one prefix cache shared by every client
+CACHE_SALT_SOURCES = f"api-key or header:NAME (or {SHARED}: one cache shared by all)"
 
 
 def bearer_credentials(authorization: bytes) -> bytes:
@@ -54,7 +58,7 @@ class TenantSalt:
 
     @classmethod
     def parse(cls, source: str) -> TenantSalt:
-        """`api-key` or `header:NAME`.
+        """`api-key` or `header:NAME` (`none` is tenant_salt's, not a tenant source).
 
         Raises:
             ValueError: anything else (the message starts with `cache_salt_from`).
@@ -97,3 +101,17 @@ class TenantSalt:
         tenant = hashlib.sha256(self.tenant(headers)).digest()
         own = b"" if request_salt is None else request_salt.encode("utf-8", "surrogatepass")
         return "tenant-" + hashlib.sha256(_DOMAIN + tenant + own).hexdigest()
+
+
+def tenant_salt(source: str | None, num_api_keys: int) -> TenantSalt | None:
+    """Where each request's tenant comes from, or None for one cache shared by all.
+
+    Args:
+        source: ServerConfig.cache_salt_from (None: not given).
+        num_api_keys: how many API keys the server accepts.
+    Raises:
+        ValueError: a source that is none of CACHE_SALT_SOURCES.
+    """
+    if source is None:  # secure by default: several keys are several clients
+        return TenantSalt.parse("api-key") if num_api_keys > 1 else None
+    return None if source == SHARED else TenantSalt.parse(source)
