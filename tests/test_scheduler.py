@@ -120,8 +120,12 @@ def test_long_prompt_is_chunked_across_steps():
 
 def test_a_prompt_with_prompt_logprobs_is_chunked_so_it_never_stalls_the_others():
     # Each prompt row of such a request is a vocabulary-wide logits row: one step of 1,900
-    # of them stalled every other stream for seconds (issue 27 item 11).
-    sched = make_scheduler(max_num_batched_tokens=2048, num_kv_blocks=512, max_model_len=4096)
+    # of them stalled every other stream for seconds (issue 27 item 11). (The long-prefill
+    # rule off: this is the prompt-logprobs chunk alone.)
+    sched = make_scheduler(
+        max_num_batched_tokens=2048, num_kv_blocks=512, max_model_len=4096,
+        long_prefill_token_threshold=0,
+    )  # fmt: skip
     decoding = make_request("d", 4, max_tokens=64)
     sched.add_request(decoding)
     step(sched)
@@ -139,6 +143,170 @@ def test_a_prompt_with_prompt_logprobs_is_chunked_so_it_never_stalls_the_others(
     assert counts == [PROMPT_LOGPROBS_CHUNK] * 7 + [1900 - 7 * PROMPT_LOGPROBS_CHUNK]
     assert plain.is_finished  # without prompt logprobs: the rest of the budget, as usual
     assert step(sched).num_scheduled_tokens["p"] == 1  # then it decodes as usual
+
+
+class CostClock:
+    """A scheduler clock that each step advances by BASE_S + PER_TOKEN_S x its tokens, as a
+    CPU's steps cost (their fixed part is worth 10 prompt tokens)."""
+
+    BASE_S, PER_TOKEN_S = 0.02, 0.002
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self, sched: Scheduler) -> SchedulerOutput:
+        out = step(sched)
+        self.now += self.BASE_S + self.PER_TOKEN_S * out.total_num_scheduled_tokens
+        return out
+
+
+def test_a_long_prefill_shares_each_step_with_the_decodes_and_short_prompts_pass_it():
+    # Issue 49 item 4: one 8,000-token prompt took the whole budget of every step for 53 s.
+    clock = CostClock()
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=2048, block_size=8, num_kv_blocks=1024,
+        max_model_len=8192, enable_prefix_caching=False, long_prefill_token_threshold=256,
+    )  # fmt: skip
+    sched = Scheduler(config, clock=clock)
+    decoding = make_request("d", 4, max_tokens=500)
+    sched.add_request(decoding)
+    clock.step(sched)
+    clock.step(sched)  # a step of the decode alone: its time is known
+    long = make_request("long", 6000, max_tokens=2)
+    sched.add_request(long)
+    takes, times = [], []
+    for i in range(70):
+        if i == 60:  # a short chat prompt arrives while the long one is in progress
+            short = make_request("short", 30, max_tokens=8)
+            sched.add_request(short)
+        start = clock.now
+        out = clock.step(sched)
+        times.append(clock.now - start)
+        assert out.num_scheduled_tokens["d"] == 1  # the decode gets every step
+        takes.append(out.num_scheduled_tokens.get("long", 0))
+        if i == 60:
+            assert out.num_scheduled_tokens["short"] == 30  # admitted whole, at once
+    # A decode step takes 22 ms; one long token 2 ms more: half of 22 ms is 5.5 long tokens,
+    # 5 and 6 in turns once both times are measured, with a step of the decode alone (0) at
+    # least every 9 to keep measuring it. Its steps take at most 1.6 times as long.
+    assert takes[:3] == [1, 2, 4]  # at most doubling while the times are not known
+    assert set(takes[40:60]) == {0, 5, 6} and 2 <= takes[40:60].count(0) <= 3
+    assert max(times[40:60]) <= 1.6 * 0.022
+    assert short.is_finished and long.num_output_tokens == 0  # passed the long one
+
+
+def test_a_long_token_dearer_than_a_decode_step_sits_steps_out_but_is_never_starved():
+    # A prompt token deep into a long context can cost more than a whole decode step: then
+    # the long prefill takes one token every few steps, keeping the decodes' steps short.
+    clock = CostClock()
+    clock.BASE_S, clock.PER_TOKEN_S = 0.005, 0.010
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=2048, block_size=8, num_kv_blocks=1024,
+        max_model_len=8192, enable_prefix_caching=False, long_prefill_token_threshold=256,
+    )  # fmt: skip
+    sched = Scheduler(config, clock=clock)
+    sched.add_request(make_request("d", 4, max_tokens=500))
+    clock.step(sched)
+    clock.step(sched)
+    sched.add_request(make_request("long", 3000, max_tokens=2))
+    takes = [clock.step(sched).num_scheduled_tokens.get("long", 0) for _ in range(100)]
+    # A decode step: 15 ms; a long token: 10 ms more; half of 15 ms is 0.75 of a token.
+    assert set(takes[40:]) == {0, 1}
+    assert 0.6 <= sum(takes[40:]) / 60 <= 0.9
+
+
+def test_the_long_prefill_share_follows_the_measured_step_times():
+    from conveyor.core.chunking import LongPrefills
+
+    rule = LongPrefills(256, 4, 1)
+    assert rule.share(1) == 1  # times unknown: one token a step
+    rule.spend(1, 1, True)
+    rule.observe(1, 0, 0.010)  # the others' step alone: 10 ms
+    rule.observe(1, 4, 0.030)  # with 4 long tokens: 5 ms each
+    assert rule.share(1) == 1  # half of 10 ms is one long token
+    rule.spend(1, 1, True)
+    gpu = LongPrefills(256, 4, 1)
+    gpu.observe(1, 0, 0.010)
+    gpu.observe(1, 512, 0.0101)  # a long token costs next to nothing
+    takes = []
+    for _ in range(10):
+        takes.append(gpu.share(1))
+        gpu.spend(takes[-1], 1, True)
+    assert takes == [1, 2, 4, 8, 16, 32, 64, 128, 0, 256]  # doubling to T, a probe step
+    assert LongPrefills(256, 4, 1).share(0) == 1  # alone: from one token, doubling too
+
+
+def test_a_long_prefill_alone_doubles_its_chunk_up_to_the_threshold():
+    sched = make_scheduler(
+        max_num_batched_tokens=2048, num_kv_blocks=512, max_model_len=4096,
+        long_prefill_token_threshold=64,
+    )  # fmt: skip
+    sched.add_request(make_request("long", 400, max_tokens=1))
+    takes = [step(sched).num_scheduled_tokens["long"] for _ in range(12)]
+    # 1, 2, 4, ... up to 64; the last 64 or fewer tokens are no longer a long prefill.
+    assert takes == [1, 2, 4, 8, 16, 32, 64, 64, 64, 64, 64, 17]
+
+
+def test_long_prefills_run_one_at_a_time_and_shorter_requests_behind_them_are_admitted():
+    # An embeddings batch of many long inputs, then a short request: FIFO order, but the
+    # short one does not wait for the inputs before it.
+    sched = make_scheduler(
+        max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=2048, max_model_len=4096,
+        long_prefill_token_threshold=256, max_long_partial_prefills=1,
+    )  # fmt: skip
+    inputs = [make_request(f"in{i}", 2000, max_tokens=1) for i in range(24)]
+    for req in inputs:
+        sched.add_request(req)
+    step(sched)
+    short = make_request("short", 12, max_tokens=4)
+    sched.add_request(short)
+    out = step(sched)
+    assert out.num_scheduled_tokens["short"] == 12
+    assert [r.request_id for r in sched.running] == ["in0", "short"]
+    assert [r.request_id for r in sched.waiting] == [f"in{i}" for i in range(1, 24)]
+    for _ in range(3):
+        step(sched)
+    assert short.is_finished and not inputs[0].is_finished
+
+
+def test_the_long_prefill_rule_off_lets_a_prompt_take_the_whole_budget():
+    sched = make_scheduler(
+        max_num_batched_tokens=2048, num_kv_blocks=512, max_model_len=4096,
+        long_prefill_token_threshold=0,
+    )  # fmt: skip
+    sched.add_request(make_request("d", 4, max_tokens=50))
+    step(sched)
+    sched.add_request(make_request("long", 3000, max_tokens=1))
+    assert step(sched).num_scheduled_tokens == {"d": 1, "long": 2047}
+
+
+def test_prompts_left_unfinished_by_a_step_are_capped_by_max_num_partial_prefills():
+    sched = make_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=64, max_model_len=256,
+        max_num_partial_prefills=1, max_long_partial_prefills=1, long_prefill_token_threshold=0,
+    )  # fmt: skip
+    for i in range(3):
+        sched.add_request(make_request(f"p{i}", 40, max_tokens=1))
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"p0": 16}  # p1 would be a second unfinished prompt
+    assert step(sched).num_scheduled_tokens == {"p0": 16}
+    assert step(sched).num_scheduled_tokens == {"p0": 8, "p1": 8}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("long_prefill_token_threshold", -1, "long_prefill_token_threshold"),
+        ("max_num_partial_prefills", 0, "max_num_partial_prefills"),
+        ("max_long_partial_prefills", 5, "at most max_num_partial_prefills"),
+    ],
+)
+def test_prefill_settings_are_checked(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{field: value})
 
 
 def test_running_decodes_go_first_and_new_prompt_takes_the_rest_of_the_budget():
@@ -420,6 +588,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         preemption_threshold=st.sampled_from([0.5, 1.0]),
         preemption_cooldown_s=st.sampled_from([0.0, 1.0]),
         prefix_caching=st.booleans(),
+        long_threshold=st.sampled_from([0, 1, 3, 8, 24, 256]),
+        max_partial=st.integers(1, 3),
+        max_long=st.integers(1, 3),
     )
     def setup(
         self,
@@ -434,8 +605,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         preemption_threshold,
         preemption_cooldown_s,
         prefix_caching,
+        long_threshold,
+        max_partial,
+        max_long,
     ):
         self.config = EngineConfig(
+            long_prefill_token_threshold=long_threshold,
+            max_num_partial_prefills=max_partial,
+            max_long_partial_prefills=min(max_long, max_partial),
             enable_prefix_caching=prefix_caching,
             scheduler=policy,
             max_num_seqs=max_num_seqs,
@@ -460,6 +637,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.reported_finished: Counter[str] = Counter()
         # What the fake model has written into each KV slot: (block, offset) -> token id.
         self.kv: dict[tuple[int, int], int] = {}
+        self.last_long_tokens = 0  # what long prefills took in the previous step
 
     @rule(
         prompt_len=st.integers(1, 64),
@@ -523,7 +701,39 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.finish_events[rid] += 1
         # Nobody still queued is past its deadline.
         assert all(r.deadline_at > self.now for r in [*self.sched.running, *self.sched.waiting])
+        self.check_long_prefills(out)
         self.pending = out
+
+    def check_long_prefills(self, out: SchedulerOutput) -> None:
+        """The prefill rules (core/chunking.py): limits on prefills in progress, the long
+        ones' share of the step, and no running request left out of a step with budget."""
+        cfg, n = self.config, out.num_scheduled_tokens
+        threshold = cfg.long_prefill_token_threshold
+        running = self.sched.running
+        # (schedule() advances nothing: a request's tokens left are those at the step's start.)
+        left = {r.request_id: r.num_tokens - r.num_computed_tokens for r in running}
+        after = [left[r.request_id] - n.get(r.request_id, 0) for r in running]
+        assert sum(a > 1 for a in after) <= cfg.max_num_partial_prefills
+        if threshold:
+            longs = [r for r in running if left[r.request_id] > threshold]
+            assert len(longs) <= cfg.max_long_partial_prefills
+            long_total = sum(n.get(r.request_id, 0) for r in longs)
+            assert all(n.get(r.request_id, 0) <= threshold for r in longs)
+            # The share comes from what the running others took before any admission.
+            new = {r.request_id for r in out.admitted} | {r.request_id for r in longs}
+            others = sum(k for rid, k in n.items() if rid not in new)
+            if not out.preempted_request_ids and not others:  # alone: the doubling
+                ramp = min(threshold, max(1, 2 * self.last_long_tokens))
+                assert long_total <= max(len(longs), ramp)
+            if long_total or out.total_num_scheduled_tokens == long_total:
+                self.last_long_tokens = long_total  # (a step sat out keeps the last)
+        if out.total_num_scheduled_tokens < cfg.max_num_batched_tokens:
+            # Budget to spare: every running request but a long prefill (which may sit a step
+            # out beside others) got some, unless a preemption cut the step short.
+            starved = [
+                rid for rid, k in left.items() if k > 0 and rid not in n and not 0 < threshold < k
+            ]
+            assert out.preempted_request_ids or not starved, (left, n)
 
     @precondition(lambda self: self.pending is not None)
     @rule()

@@ -14,6 +14,12 @@ prefill), a decoding request gets 1, and a preempted request recomputes everythi
     front of waiting. A step that preempted for lack of blocks admits nothing new.
 A request with prompt_logprobs computes its prompt in chunks of at most PROMPT_LOGPROBS_CHUNK
 tokens (core/chunking.py), so its vocabulary-wide prompt rows never stall the others' step.
+Long prefills (more than `long_prefill_token_threshold` tokens left) are scheduled after the
+other running requests and share the step with them (core/chunking.py's LongPrefills): at most
+`max_long_partial_prefills` of them run at once, and a long waiting request is passed over
+while they do, so shorter requests behind it in policy order are admitted (the policy's order
+among the admitted ones is kept). At most `max_num_partial_prefills` prompts are left
+unfinished by a step at once.
 An embedding request (`sampling_params.pooling`) runs its prompt like any prefill and is
 never sampled; mean pooling skips the prefix cache, last-token pooling does not.
 
@@ -32,8 +38,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from conveyor.core.admission import admit_waiting
 from conveyor.core.block_manager import BlockManager
-from conveyor.core.chunking import num_tokens_to_schedule
+from conveyor.core.chunking import LongPrefills, num_tokens_to_schedule
 from conveyor.core.limits import check_kv_fits
 from conveyor.core.policies import make_policy
 from conveyor.core.scheduler_output import SchedulerOutput
@@ -72,6 +79,16 @@ class Scheduler:
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.policy = make_policy(config.scheduler, config, self.block_manager)
+        self.long_prefills = LongPrefills(
+            config.long_prefill_token_threshold,
+            config.max_num_partial_prefills,
+            config.max_long_partial_prefills,
+        )
+        # The previous step's start, tokens and long-prefill tokens, to time it for the long
+        # prefills' share (LongPrefills.observe) when the next step follows it back to back
+        # (0 tokens: the engine may have idled in between).
+        self._step_at = 0.0
+        self._step_tokens = self._step_long = 0
         self.clock = clock
         # Queue positions (WaitingQueue) go to the policy with every enqueue (on_enqueue).
         self.waiting = WaitingQueue()
@@ -140,6 +157,9 @@ class Scheduler:
         admitted: list[Sequence] = []
         running = self.running
         now = self.clock()
+        rule = self.long_prefills
+        if self._step_tokens:
+            rule.observe(self._step_tokens - self._step_long, self._step_long, now - self._step_at)
         if self._deadlines and self._deadlines[0][0] <= now:
             self._expire_deadlines(now)
 
@@ -149,39 +169,27 @@ class Scheduler:
                     self._preempt(victim, running.index(victim), preempted_ids)
         num_policy_preemptions = len(preempted_ids)
 
-        # 1. Running requests, in admission order.
-        allocate_slots = self.block_manager.allocate_slots
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            n = num_tokens_to_schedule(req, req.num_computed_tokens, budget)
-            if n <= 0:  # Nothing to compute (its sampled token never came back).
-                i += 1
-                continue
-            preempted_self = False
-            while not allocate_slots(req, n):
-                victim = self.policy.select_victim(running)
-                vi = len(running) - 1 if running[-1] is victim else running.index(victim)
-                self._preempt(victim, vi, preempted_ids)
-                if victim is req:
-                    preempted_self = True
-                    break
-                if vi < i:  # An earlier request (maybe already scheduled) gave way.
-                    i -= 1
-                    freed = num_scheduled.pop(victim.request_id, 0)
-                    if freed:
-                        budget += freed
-                        scheduled.remove(victim)
-            if preempted_self:
-                # Nothing was left to take blocks from; the step just schedules less.
-                break
-            scheduled.append(req)
-            num_scheduled[req.request_id] = n
-            budget -= n
-            i += 1
+        # 1. Running requests, in admission order; long prefills after the others, since their
+        #    share of the step depends on what the others took.
+        longs: list[Sequence] = []
+        budget, stopped = self._schedule_running(
+            running[:], budget, scheduled, num_scheduled, preempted_ids, longs, None
+        )
+        others = self.max_num_batched_tokens - budget
+        share = rule.share(others) if rule.threshold and (longs or self.waiting) else 0
+        long_tokens = 0
+        if longs and share > 0 and not stopped:
+            cap = max(1, share // len(longs))
+            budget, stopped = self._schedule_running(
+                longs, budget, scheduled, num_scheduled, preempted_ids, None, cap
+            )
+            long_tokens = sum(num_scheduled.get(r.request_id, 0) for r in longs)
+            # Back in running order (the deferred long ones were appended last).
+            scheduled[:] = [r for r in running if r.request_id in num_scheduled]
 
         # 2. Waiting requests, unless blocks ran short this step (admitting more would only
         #    be preempted again next step).
+        waiting_long = False
         if (
             len(preempted_ids) == num_policy_preemptions
             and self.waiting
@@ -192,68 +200,74 @@ class Scheduler:
         ):
             # Requests the policy just preempted are not re-admitted in the same step.
             skip = set(preempted_ids)
-            budget = self._admit(budget, scheduled, num_scheduled, admitted, now, skip)
+            budget, admitted_long, waiting_long = admit_waiting(
+                self, budget, scheduled, num_scheduled, admitted, now, skip, share - long_tokens
+            )
+            long_tokens += admitted_long
+        total = self.max_num_batched_tokens - budget
+        if rule.threshold:
+            rule.spend(long_tokens, total - long_tokens, bool(longs) or waiting_long)
+        self._step_at, self._step_tokens, self._step_long = now, total, long_tokens
 
         get_table = self.block_manager.get_block_table
         finished_ids, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=total,
             block_tables={r.request_id: get_table(r.request_id) for r in scheduled},
             preempted_request_ids=preempted_ids,
             finished_request_ids=finished_ids,
             admitted=admitted,
         )
 
-    def _admit(
+    def _schedule_running(
         self,
+        reqs: list[Sequence],
         budget: int,
         scheduled: list[Sequence],
         num_scheduled: dict[str, int],
-        admitted: list[Sequence],
-        now: float,
-        skip: set[str],
-    ) -> int:
-        """Admit waiting requests in policy order, except `skip` ids, appending them to
-        `scheduled` and `admitted`; returns the budget left."""
+        preempted_ids: list[str],
+        longs: list[Sequence] | None,
+        cap: int | None,
+    ) -> tuple[int, bool]:
+        """Schedule running requests `reqs` in order, each at most `cap` tokens (None: no
+        cap), preempting the policy's victims when blocks run out. With `longs`, long
+        prefills are appended there instead. Returns the budget left and whether a request
+        had to preempt itself (nothing was left to take blocks from: the step stops there)."""
         running = self.running
-        bm = self.block_manager
-        # The loop below consumes at most `seats + len(skip)` candidates: each one is either
-        # skipped (a `skip` id, each in waiting once), admitted (taking a seat) or ends it.
-        # So the policy's first that many in admission order give the same admissions.
-        limit = self.max_num_seqs - len(running) + len(skip)
-        for req in self.policy.admission_candidates(self.waiting, now, running, limit):
-            if budget <= 0 or len(running) >= self.max_num_seqs:
+        allocate_slots = self.block_manager.allocate_slots
+        threshold = self.long_prefills.threshold if longs is not None else 0
+        for req in reqs:
+            if budget <= 0:
                 break
-            if req.request_id in skip:
+            if req.status is not _RUNNING:  # preempted earlier in this step
                 continue
-            # Waiting requests hold nothing; a preempted one recomputes prompt + outputs, both
-            # minus what the prefix cache still holds (their own freed blocks included).
-            # Prompt logprobs and mean pooling read every prompt token's row: no cache hits
-            # for them. (Last-token pooling takes hits: the last token is always computed.)
-            every_row = req.sampling_params.needs_every_prompt_row
-            hits = [] if every_row else bm.get_computed_blocks(req)
-            num_cached = len(hits) * bm.block_size
-            n = num_tokens_to_schedule(req, num_cached, budget)
-            if not bm.allocate_slots(req, n, hits):
-                break
-            if bm.enable_prefix_caching:
-                bm.record_lookup(req.num_tokens, num_cached)
-            req.num_computed_tokens = num_cached
-            if req.num_cached_tokens < 0:  # the first admission's hits are the ones reported
-                req.num_cached_tokens = num_cached
-            req.status = SequenceStatus.RUNNING
-            req.admitted_at = now
-            running.append(req)
-            admitted.append(req)
+            computed = req.num_computed_tokens
+            if threshold and (
+                len(req.prompt_token_ids) + len(req.output_token_ids) - computed > threshold
+            ):
+                longs.append(req)  # type: ignore[union-attr]
+                continue
+            n = num_tokens_to_schedule(req, computed, budget)
+            if cap is not None and n > cap:
+                n = cap
+            if n <= 0:  # Nothing to compute (its sampled token never came back).
+                continue
+            while not allocate_slots(req, n):
+                victim = self.policy.select_victim(running)
+                vi = len(running) - 1 if running[-1] is victim else running.index(victim)
+                self._preempt(victim, vi, preempted_ids)
+                if victim is req:
+                    return budget, True
+                freed = num_scheduled.pop(victim.request_id, 0)
+                if freed:  # an earlier request of this step gave way
+                    budget += freed
+                    scheduled.remove(victim)
             scheduled.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
-        for req in admitted:  # O(1) each, wherever it stood in the queue
-            self.waiting.remove(req)
-            self.policy.on_dequeue(req)
-        return budget
+        return budget, False
 
     def _expire_deadlines(self, now: float) -> None:
         """Abort every unfinished request whose deadline is at or before `now`."""
@@ -321,6 +335,8 @@ class Scheduler:
                 any_finished = True
         if any_finished:
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
+            if not (self.running or self.waiting):
+                self._step_tokens = 0  # the engine may idle before the next step
         return new_token_reqs
 
     def finish_requests(self, request_ids: Iterable[str], status: SequenceStatus) -> list[Sequence]:
@@ -353,6 +369,8 @@ class Scheduler:
         # One filtering pass over running, not one O(n) removal per request.
         if any_running:
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
+        if not (self.running or self.waiting):
+            self._step_tokens = 0
         return finished
 
     def _finish(self, req: Sequence, status: SequenceStatus) -> None:

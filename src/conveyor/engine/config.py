@@ -47,6 +47,25 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(
         2048, "token budget of one step (prefill chunks + decode tokens)", section=SCHEDULING
     )
+    long_prefill_token_threshold: int = setting(
+        256,
+        "a prompt with more than this many tokens left to compute is a long prefill: it "
+        "computes at most this many a step, and beside decodes and short prompts the long "
+        "prefills take what costs about half of their step time (measured), so one long "
+        "prompt never stalls them (core/chunking.py); 0: off, any prompt may take the whole "
+        "step's budget",
+        section=SCHEDULING,
+    )
+    max_num_partial_prefills: int = setting(
+        4, "most prompts a step leaves unfinished (chunked prefills in progress) at once",
+        section=SCHEDULING,
+    )  # fmt: skip
+    max_long_partial_prefills: int = setting(
+        1,
+        "most long prefills in progress at once; a long waiting request is passed over "
+        "meanwhile and shorter ones behind it are admitted (at most max_num_partial_prefills)",
+        section=SCHEDULING,
+    )
     block_size: int = setting(
         16, "tokens per KV cache block", section=SCHEDULING, choices=(8, 16, 32, 64, 128)
     )
@@ -209,6 +228,14 @@ class EngineConfig:
                 "supported yet; use one of the two."
             )
         check_int("seed", self.seed)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, lo=0)
+        check_positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
+        check_positive_int("max_long_partial_prefills", self.max_long_partial_prefills)
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be at most "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})."
+            )
         check_number(
             "aging_bound_s", self.aging_bound_s, "> 0 (inf turns aging off)", lambda v: v > 0
         )
