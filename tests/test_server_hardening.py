@@ -17,6 +17,7 @@ import time
 import httpx
 import openai
 import pytest
+from tests.process_tree import rss_mb
 from tests.serve_process import start_server
 
 from conveyor.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -457,3 +458,19 @@ def test_the_seed_range_is_signed_64_bit_and_n_samples_of_its_ends_run(http) -> 
     for seed in (2**63, -(2**63) - 1):
         body = {"prompt": "x", "seed": seed, "max_tokens": 1}
         assert "signed 64-bit" in _error(http.post(CMPL, json=body), 400, "seed")
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT, "/v1/responses"])
+def test_a_body_of_many_unknown_fields_is_one_error_not_one_each(server, http, path) -> None:
+    """600,000 unknown keys (8.9 MB): before, pydantic built an error for each, ~4 s on the
+    event loop and ~700 MB; now one 400 that counts them."""
+    base = {"model": "demo", "prompt": "x"} if path == CMPL else {"model": "demo", "input": "x"}
+    if path == CHAT:
+        base = {"model": "demo", "messages": HI}
+    body = {**base, **{f"k{i}": None for i in range(600_000)}}
+    before = rss_mb([server.proc.pid])
+    r = http.post(path, json=body)
+    assert r.status_code == 400
+    assert "600000 unrecognized request arguments" in r.json()["error"]["message"]
+    assert rss_mb([server.proc.pid]) - before < 300
+    assert http.post(CMPL, json={"model": "demo", "prompt": "x", "max_tokens": 1}).is_success

@@ -131,6 +131,9 @@ class AsyncLLM:
         self.engine: LLMEngine | None = started.engine
         self.model_path, self.limits = started.model_path, started.limits
         self.tokenizer = started.tokenizer
+        # What the server's grammar checks load and allow (structured/grammar_checker.py).
+        self.tokenizer_path = config.tokenizer or self.model_path
+        self.grammar_compile_timeout = config.grammar_compile_timeout
         self.pooling = started.pooling  # a PoolingConfig: how embedding requests pool
         self.max_model_len = self.limits.max_model_len
         self.vocab_size = self.limits.vocab_size
@@ -159,6 +162,9 @@ class AsyncLLM:
         self._heartbeats = [Heartbeat(engine_stall_timeout_s) for _ in range(num_replicas)]
         self._heartbeat = self._heartbeats[0]
         self._watchdog: asyncio.Task[None] | None = None
+        # Called with (request_id, prompt ids, params) before generate() queues a request;
+        # it may raise to refuse it (the server's per-client limits, server/admission.py).
+        self.before_add: Callable[[str, list[int], SamplingParams], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
@@ -290,6 +296,7 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request now and return its stream of delta outputs.
 
@@ -303,6 +310,9 @@ class AsyncLLM:
             params: sampling parameters.
             request_id: unique id (generated when None).
             prompt_token_ids: the tokens of a text prompt, if already tokenized.
+            arrival_time: when the request arrived (time.monotonic(); default now): its
+                deadline and latency metrics count from then (the server's own work on it,
+                such as checking its output constraint, included).
         Returns:
             An async iterator of RequestOutput deltas; it raises RequestFailedError if the
             engine failed the request, EngineNotRunningError if the engine stopped.
@@ -324,8 +334,11 @@ class AsyncLLM:
         else:
             ids = list(prompt)
         self.limits.check(ids, params)
+        if self.before_add is not None:
+            self.before_add(request_id, ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(
-            request_id, time.monotonic(), prompt if isinstance(prompt, str) else None, ids,
+            request_id, arrival, prompt if isinstance(prompt, str) else None, ids,
             self._abort_soon,
         )  # fmt: skip
         self._streams[request_id] = stream
@@ -344,6 +357,13 @@ class AsyncLLM:
             request_id: the id given to (or made by) generate().
         """
         self._abort_soon(request_id, abandoned=False)
+
+    def abort_open(self, request_ids: Sequence[str]) -> None:
+        """Abort those of `request_ids` whose stream is still open (nobody reads them any
+        more); finished and unknown ids are skipped without a message to the engine."""
+        for request_id in request_ids:
+            if request_id in self._streams:
+                self._abort_soon(request_id)
 
     def _abort_soon(self, request_id: str, abandoned: bool = True) -> None:
         """Queue an abort for the engine; `abandoned`: nobody reads the stream any more."""

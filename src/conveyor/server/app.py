@@ -24,9 +24,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from conveyor import __version__
 from conveyor.entrypoints.async_llm import AsyncLLM, EngineNotRunningError
-from conveyor.server.admission import BodySizeLimit
+from conveyor.server.admission import BodySizeLimit, install_client_limits
 from conveyor.server.body_depth import DepthCheckedRoute
 from conveyor.server.chat import create_chat_completion
+from conveyor.server.clients import ClientIdentity
 from conveyor.server.completions import create_completion
 from conveyor.server.config import ServerConfig
 from conveyor.server.context import ServingContext
@@ -45,7 +46,8 @@ from conveyor.server.responses import DetokenizeResponse, ModelCard, ModelList, 
 from conveyor.server.responses_api import ResponseStore, create_response
 from conveyor.server.responses_protocol import ResponsesRequest
 from conveyor.server.streaming import until_disconnected
-from conveyor.server.tenancy import TenantSalt, bearer_credentials
+from conveyor.server.tenancy import bearer_credentials, tenant_salt
+from conveyor.structured.grammar_checker import GrammarChecker
 
 _OPEN_PATHS = ("/health", "/version", "/metrics", "/ping")
 
@@ -99,6 +101,7 @@ def build_app(
         try:
             yield
         finally:
+            grammars.close()  # kills checks in flight: shutdown never waits for a compile
             await engine.shutdown()
 
     app = FastAPI(title="conveyor", version=__version__, lifespan=lifespan)
@@ -109,7 +112,17 @@ def build_app(
         api_keys = [api_key] if isinstance(api_key, str) else list(api_key)
     else:
         api_keys = config.api_keys
-    tenancy = None if config.cache_salt_from is None else TenantSalt.parse(config.cache_salt_from)
+    # Several keys, no --cache-salt-from: each key its own cache (server/tenancy.py).
+    tenancy = tenant_salt(config.cache_salt_from, len(api_keys))
+    grammars = GrammarChecker(
+        engine.tokenizer_path,
+        engine.vocab_size,
+        engine.tokenizer.eos_token_ids,
+        engine.grammar_compile_timeout,
+        memory_mb=config.grammar_memory_limit,
+        workers=config.grammar_check_workers,
+        max_per_client=config.grammar_checks_per_client,
+    )
     ctx = ServingContext(
         engine,
         engine.model_name,
@@ -118,13 +131,16 @@ def build_app(
         config.request_timeout,
         aliases=tuple(engine.served_model_names[1:]),
         max_prompts=config.max_prompts_per_request,
+        max_chat_messages=config.max_chat_messages,
         trust_request_chat_template=config.trust_request_chat_template,
         tool_call_parser=config.tool_call_parser,
+        grammars=grammars,
         reasoning_parser=choose_reasoning_parser(
             config.reasoning_parser, getattr(engine, "tokenizer", None)
         ),
     )
     app.state.ctx = ctx
+    app.state.grammars = grammars  # launch.py kills its checks when a drain's grace ends
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -138,7 +154,11 @@ def build_app(
             body.cache_salt = tenancy.cache_salt(raw.scope["headers"], body.cache_salt)
         return await until_disconnected(raw, create_chat_completion(ctx, body))
 
-    store = ResponseStore()  # /v1/responses' stored responses (server/responses_api.py)
+    store = ResponseStore(  # /v1/responses' stored responses (server/response_store.py)
+        config.responses_store_bytes,
+        config.responses_store_tenant_bytes,
+        config.responses_store_entry_bytes,
+    )
 
     def owner(raw: Request) -> bytes:
         """Whose stored responses a request may see: its tenant's, or its key's."""
@@ -159,7 +179,8 @@ def build_app(
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, raw: Request) -> Response:
-        return JSONResponse(store.get(response_id, owner(raw)))
+        # Kept as the JSON it is served as (server/response_store.py).
+        return Response(store.get(response_id, owner(raw)), media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, raw: Request) -> Response:
@@ -238,6 +259,9 @@ def build_app(
             p for p in _OPEN_PATHS if p != "/metrics" or not config.metrics_require_api_key
         )
         app.add_middleware(_APIKeyMiddleware, api_keys=api_keys, open_paths=open_paths)
+    # Sequences and tokens in flight per client (max_client_sequences / _tokens).
+    install_client_limits(app, engine, config, api_keys, tenancy)
+    app.add_middleware(ClientIdentity)  # per-client limits know whose request it is
     # Added last, so outermost: an oversized body is refused before anything else runs.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     return app

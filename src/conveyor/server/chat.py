@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.sampling_params import MAX_LOGPROBS, SamplingParams
 from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_flags
+from conveyor.server.clients import request_arrival
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import ChatCompletionRequest
@@ -35,8 +36,10 @@ from conveyor.server.streaming import sse_response
 from conveyor.server.tool_parsers import ToolCall
 from conveyor.server.tools import ToolCallStream, ToolSetup, tool_call_dict, tool_setup
 from conveyor.structured.request import (
+    DeadlinePassedError,
     checked_structured_outputs,
     checked_tool_constraint,
+    deadline_at,
     relabeled,
     requested_structured_outputs,
 )
@@ -70,7 +73,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     )  # fmt: skip
     ctx.admit(params.n)
     request_id = random_id("chatcmpl")
-    stream = relabeled(ctx.engine.generate(prompt_ids, params, request_id), plan.param)
+    stream = relabeled(
+        ctx.engine.generate(prompt_ids, params, request_id, arrival_time=request_arrival()),
+        plan.param,
+    )
     if req.stream:
         include_usage, continuous_usage = usage_flags(req.stream_options)
         events = _stream(
@@ -166,21 +172,27 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatP
     reasoning = ctx.reasoning(req.chat_template_kwargs, template)
     if reasoning is not None:
         _refuse_constraints(req, tools, reasoning)
-    forced = await checked_tool_constraint(tools)
-    if forced is not None:
-        # A forced call ("required", a named function) writes no text, so a response_format
-        # has nothing to govern there (instructor sends both); with "auto" text may come, and
-        # the call grammar cannot also hold the text to a format.
-        if tools.mode == "auto" and requested_structured_outputs(req)[0] is not None:
-            raise APIError(
-                f'tool_choice {tools.mode!r} with this server\'s "{tool_format}" tool-call '
-                "format constrains the output itself: send no response_format or "
-                'structured_outputs with it (or tool_choice "none").',
-                param="tool_choice",
-            )
-        structured, param = forced, "tools"
-    else:
-        structured, param = await checked_structured_outputs(req)
+    # Cheap checks of the messages before the constraint's (which may take a worker's time).
+    ctx.check_message_count(len(req.messages))
+    until = deadline_at(params)
+    try:
+        forced = await checked_tool_constraint(tools, ctx.grammars, until)
+        if forced is not None:
+            # A forced call ("required", a named function) writes no text, so a
+            # response_format has nothing to govern there (instructor sends both); with "auto"
+            # text may come, and the call grammar cannot also hold the text to a format.
+            if tools.mode == "auto" and requested_structured_outputs(req)[0] is not None:
+                raise APIError(
+                    f'tool_choice {tools.mode!r} with this server\'s "{tool_format}" tool-call '
+                    "format constrains the output itself: send no response_format or "
+                    'structured_outputs with it (or tool_choice "none").',
+                    param="tool_choice",
+                )
+            structured, param = forced, "tools"
+        else:
+            structured, param = await checked_structured_outputs(req, ctx.grammars, until)
+    except DeadlinePassedError:  # the engine ends it at once, as any late request
+        structured, param = None, None
     if structured is not None:
         params = dataclasses.replace(params, structured_outputs=structured)
     if tools is not None and tools.stop():
@@ -297,9 +309,8 @@ class _ChatEvents(ChunkEvents):
             stream = self._streams[index]
             text, calls = stream.feed(text)
             if finish is not None:
-                rest, more, made_calls = stream.finish()
+                rest, more, finish = stream.finish(finish)
                 text, calls = text + rest, calls + more
-                finish = "tool_calls" if made_calls else finish
             if calls:
                 return self._chunks.tool_calls(
                     index, text or None, calls, finish, num_generated, thinking or None

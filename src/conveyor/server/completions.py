@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_flags
+from conveyor.server.clients import request_arrival
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.offload import INLINE_TOKENS, maybe_off_loop
@@ -25,7 +26,12 @@ from conveyor.server.responses import (
 )
 from conveyor.server.sse import CompletionChunks
 from conveyor.server.streaming import merge_streams, sse_response
-from conveyor.structured.request import checked_structured_outputs, relabeled
+from conveyor.structured.request import (
+    DeadlinePassedError,
+    checked_structured_outputs,
+    deadline_at,
+    relabeled,
+)
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Response:
@@ -49,7 +55,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
             "send them with stream false.",
             param="prompt_logprobs" if req.prompt_logprobs is not None else "echo",
         )
-    structured, param = await checked_structured_outputs(req)
+    until = deadline_at(params)
+    try:
+        structured, param = await checked_structured_outputs(req, ctx.grammars, until)
+    except DeadlinePassedError:  # the engine ends it at once, as any late request
+        structured, param = None, None
     if structured is not None:
         params = dataclasses.replace(params, structured_outputs=structured)
     engine = ctx.engine
@@ -74,7 +84,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
     ctx.admit(params.n, len(prompts))
     request_id = random_id("cmpl")
     streams = [
-        relabeled(engine.generate(p, params, f"{request_id}-{i}", prompt_token_ids=ids), param)
+        relabeled(
+            engine.generate(
+                p, params, f"{request_id}-{i}", prompt_token_ids=ids, arrival_time=request_arrival()
+            ),
+            param,
+        )
         for i, (p, ids) in enumerate(zip(prompts, prompt_ids, strict=True))
     ]
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids)

@@ -19,7 +19,7 @@ from typing import Any
 from conveyor.engine.config import EngineConfig
 from conveyor.model.loading.checkpoint import check_checkpoint
 from conveyor.server.reasoning import REASONING_PARSER_CHOICES
-from conveyor.server.tenancy import TenantSalt
+from conveyor.server.tenancy import tenant_salt
 from conveyor.server.tool_parsers import TOOL_CALL_PARSERS
 from conveyor.settings import ADMISSION, MODEL, PARALLELISM, SERVER, check_choices, setting
 from conveyor.validation import check_int, check_number, check_positive_int
@@ -51,9 +51,10 @@ class ServerConfig:
         "who a request's tenant is, for the prefix cache: api-key (the key it used) or "
         "header:NAME (that header's value, set by a trusted gateway); each tenant gets its "
         "own cache salt, so no tenant shares (or can probe) another's cached prefixes "
-        "(server/tenancy.py)",
+        "(server/tenancy.py); none: one cache shared by every client and key, an explicit "
+        "opt-in",
         section=SERVER,
-        unset="one cache shared by all",
+        unset="api-key when several API keys are given, else one cache shared by all",
         flag={"metavar": "SOURCE"},
     )
     served_model_name: str | list[str] | None = setting(
@@ -80,12 +81,32 @@ class ServerConfig:
         section=ADMISSION,
         unset="one per KV block (at least max_num_seqs)",
     )
+    max_client_sequences: int | None = setting(
+        None,
+        "sequences (n per prompt, one per embedding input) one client may have in flight, "
+        "waiting or running; beyond: 429 + Retry-After. A client is its API key, else its "
+        "tenant header (cache_salt_from header:NAME), else its address (server/admission.py)",
+        section=ADMISSION,
+        unset="no per-client limit",
+    )
+    max_client_tokens: int | None = setting(
+        None,
+        "tokens one client may have in flight, each request counted n x (prompt + "
+        "max_tokens); beyond: 429 + Retry-After",
+        section=ADMISSION,
+        unset="no per-client limit",
+    )
     max_n: int = setting(
         16, "largest `n` (samples per prompt) one request may ask for (above: 400)",
         section=ADMISSION,
     )  # fmt: skip
     max_prompts_per_request: int = setting(
         256, "prompts one completions request may hold (above: 400)", section=ADMISSION
+    )
+    max_chat_messages: int = setting(
+        4096,
+        "messages one chat request may hold (above: 400, before any is rendered)",
+        section=ADMISSION,
     )
     max_request_body_bytes: int = setting(
         10 * 2**20, "larger request bodies get 413", section=ADMISSION, flag={"metavar": "B"}
@@ -95,6 +116,88 @@ class ServerConfig:
         "request line + headers; larger ones get 431",
         section=ADMISSION,
         flag={"metavar": "B"},
+    )
+    # /v1/responses' store (server/response_store.py), counted as the JSON it keeps.
+    responses_store_bytes: int = setting(
+        256 * 2**20,
+        "bytes of stored responses (store: true) kept over all tenants; past it the tenant "
+        "holding the most loses its least recently used first",
+        section=ADMISSION,
+        flag={"metavar": "B"},
+    )
+    responses_store_tenant_bytes: int = setting(
+        64 * 2**20,
+        "bytes of stored responses each tenant (API key, or --cache-salt-from tenant) keeps; "
+        "its new ones evict its own least recently used, never another tenant's",
+        section=ADMISSION,
+        flag={"metavar": "B"},
+    )
+    responses_store_entry_bytes: int = setting(
+        4 * 2**20,
+        "bytes one stored response may take; a bigger one is not stored (400 when the "
+        "request itself set store: true and its input alone is over it, else store: false)",
+        section=ADMISSION,
+        flag={"metavar": "B"},
+    )
+    # Connections (server/http_limits.py, server/connections.py): what a client may hold open.
+    header_timeout: float = setting(
+        20.0,
+        "seconds a connection has to send a request's line and headers, from connecting (or "
+        "from the next request's first byte); then 408 and closed (closed if it sent nothing)",
+        section=ADMISSION,
+    )
+    body_timeout: float = setting(
+        20.0,
+        "seconds a request body may go without a byte arriving; past the first such seconds it "
+        "must also average body_min_rate; else 408 and closed",
+        section=ADMISSION,
+    )
+    body_min_rate: float = setting(
+        1024.0,
+        "bytes a second a request body must average once body_timeout seconds have passed",
+        section=ADMISSION,
+        flag={"metavar": "B"},
+    )
+    keep_alive_timeout: float = setting(
+        5.0,
+        "seconds an idle connection stays open after a response, for the client's next request",
+        section=ADMISSION,
+    )
+    max_connections: int | None = setting(
+        None,
+        "connections open at once; a new one beyond it closes the oldest idle connection (no "
+        "request in progress) to make room, or gets 503 when none is idle",
+        section=ADMISSION,
+        unset="the open-file limit (its soft limit raised to the hard one at start-up) less the "
+        "descriptors in use and a reserve of 1/16, at most 65536",
+    )
+    max_connections_per_client: int | None = setting(
+        None,
+        "connections one client address may hold at once; beyond it as max_connections, "
+        "among that client's own (behind a gateway every client has its address: raise it)",
+        section=ADMISSION,
+        unset="half of max_connections, at least 1024 (or max_connections if smaller)",
+    )
+    # Output constraints, checked in a worker process (structured/grammar_checker.py) within
+    # the engine's grammar_compile_timeout.
+    grammar_memory_limit: int = setting(
+        1024,
+        "MiB of memory checking one output constraint (schema, regex, grammar) may take; past "
+        "it the request is a 400",
+        section=ADMISSION,
+        flag={"metavar": "MIB"},
+    )
+    grammar_check_workers: int = setting(
+        2,
+        "output constraints checked at once, each in its own process: one slot for those "
+        "estimated cheap, the rest for costly ones",
+        section=ADMISSION,
+    )
+    grammar_checks_per_client: int = setting(
+        8,
+        "output constraints one client (API key, else address) may have being checked at "
+        "once; more get 429",
+        section=ADMISSION,
     )
     request_timeout: float | None = setting(
         None,
@@ -166,10 +269,36 @@ class ServerConfig:
         check_choices(self)  # log_level, tool_call_parser, reasoning_parser
         if self.max_waiting_requests is not None:  # None: sized to the KV cache by the engine
             check_positive_int("max_waiting_requests", self.max_waiting_requests)
+        for name in ("max_client_sequences", "max_client_tokens"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
         check_positive_int("max_n", self.max_n)
         check_positive_int("max_prompts_per_request", self.max_prompts_per_request)
+        check_positive_int("max_chat_messages", self.max_chat_messages)
         check_positive_int("max_request_body_bytes", self.max_request_body_bytes)
         check_int("max_header_bytes", self.max_header_bytes, lo=1024)
+        check_int("responses_store_entry_bytes", self.responses_store_entry_bytes, lo=1024)
+        check_int(
+            "responses_store_tenant_bytes",
+            self.responses_store_tenant_bytes,
+            lo=self.responses_store_entry_bytes,
+            hint="at least responses_store_entry_bytes",
+        )
+        check_int(
+            "responses_store_bytes",
+            self.responses_store_bytes,
+            lo=self.responses_store_tenant_bytes,
+            hint="at least responses_store_tenant_bytes",
+        )
+        for name in ("header_timeout", "body_timeout", "body_min_rate", "keep_alive_timeout"):
+            positive = "a positive, finite number"
+            check_number(name, getattr(self, name), positive, lambda v: 0 < v < math.inf)
+        for name in ("max_connections", "max_connections_per_client"):
+            if getattr(self, name) is not None:  # None: from the open-file limit at start-up
+                check_positive_int(name, getattr(self, name))
+        check_int("grammar_memory_limit", self.grammar_memory_limit, lo=64)
+        check_int("grammar_check_workers", self.grammar_check_workers, lo=2)
+        check_positive_int("grammar_checks_per_client", self.grammar_checks_per_client)
         check_int("max_replica_restarts", self.max_replica_restarts, lo=0)
         for name in ("engine_stall_timeout", "engine_heartbeat_timeout"):
             check_number(
@@ -200,7 +329,7 @@ class ServerConfig:
             if not isinstance(self.api_key, str):
                 self.api_key = list(dict.fromkeys(keys))  # drop repeats, keep order
         if self.cache_salt_from is not None:
-            TenantSalt.parse(self.cache_salt_from)
+            tenant_salt(self.cache_salt_from, len(self.api_keys))  # a known source?
             if self.cache_salt_from == "api-key" and self.api_key is None:
                 raise ValueError(
                     "cache_salt_from api-key needs api_key: give --api-key (one key per "

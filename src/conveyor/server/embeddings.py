@@ -28,6 +28,7 @@ from pydantic import ConfigDict, Field
 from conveyor.engine.outputs import RequestOutput
 from conveyor.pooling_params import PoolingParams
 from conveyor.sampling_params import SamplingParams
+from conveyor.server.clients import request_arrival
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.offload import off_loop
@@ -144,7 +145,8 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest) -> Respon
     engine.check_admission(len(inputs))
     request_id = random_id("embd")
     streams: list[AsyncIterator[RequestOutput]] = [
-        engine.generate(ids, params, f"{request_id}-{i}") for i, ids in enumerate(prompt_ids)
+        engine.generate(ids, params, f"{request_id}-{i}", arrival_time=request_arrival())
+        for i, ids in enumerate(prompt_ids)
     ]
     vectors: list[list[float] | None] = [None] * len(streams)
     async for i, out in merge_streams(streams):

@@ -17,7 +17,15 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from conveyor.sampling_params import SamplingParams
@@ -43,8 +51,31 @@ def _check_strict(value: Any, where: str) -> None:
         )  # fmt: skip
 
 
+# Unknown fields a body may have before they are refused in one error, not one each.
+_MANY_UNKNOWN = 16
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _many_unknown_fields(cls, value: Any) -> Any:
+        """A request model that refuses unknown fields refuses many of them in one error:
+        pydantic builds one error each (600,000 keys: ~4 s on the event loop, ~700 MB)."""
+        if (
+            isinstance(value, dict)
+            and len(value) > len(cls.model_fields) + _MANY_UNKNOWN
+            and cls.model_config.get("extra") == "forbid"
+        ):
+            unknown = [k for k in value if k not in cls.model_fields]
+            raise PydanticCustomError(
+                "extra_forbidden_many",
+                "{count} unrecognized request arguments (this server does not know or honour "
+                "them), among them {first}",
+                {"count": len(unknown), "first": ", ".join(repr(k)[:40] for k in unknown[:3])},
+            )
+        return value
 
     @field_validator("*", mode="before")
     @classmethod
@@ -64,6 +95,24 @@ class OpenAIModel(BaseModel):
 
 # OpenAI's metadata: at most 16 pairs of strings, keys up to 64 and values up to 512 characters.
 _MAX_METADATA = (16, 64, 512)
+
+
+def _metadata_size(value: dict[str, str]) -> dict[str, str]:
+    pairs, key_chars, value_chars = _MAX_METADATA
+    if len(value) > pairs or any(
+        len(k) > key_chars or len(v) > value_chars for k, v in value.items()
+    ):
+        raise PydanticCustomError(
+            "metadata_size",
+            "metadata holds at most {pairs} pairs, keys of at most {key_chars} and values "
+            "of at most {value_chars} characters",
+            {"pairs": pairs, "key_chars": key_chars, "value_chars": value_chars},
+        )
+    return value
+
+
+# `metadata` on chat and /v1/responses, one rule for both.
+Metadata = Annotated[dict[str, str], AfterValidator(_metadata_size)]
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
@@ -309,7 +358,7 @@ class ChatCompletionRequest(_GenerationRequest):
     reasoning_effort: ReasoningEffort | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     # OpenAI's hints, accepted and type-checked, changing nothing (NO_OP_HINTS).
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -327,22 +376,6 @@ class ChatCompletionRequest(_GenerationRequest):
     echo: Bool | None = None
     add_special_tokens: Bool | None = None
     documents: list[Any] | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_size(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        pairs, key_chars, value_chars = _MAX_METADATA
-        if value is not None and (
-            len(value) > pairs
-            or any(len(k) > key_chars or len(v) > value_chars for k, v in value.items())
-        ):
-            raise PydanticCustomError(
-                "metadata_size",
-                "metadata holds at most {pairs} pairs, keys of at most {key_chars} and values "
-                "of at most {value_chars} characters",
-                {"pairs": pairs, "key_chars": key_chars, "value_chars": value_chars},
-            )
-        return value
 
     @field_validator("tools")
     @classmethod
