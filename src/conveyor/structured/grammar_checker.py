@@ -9,7 +9,8 @@ killed at its deadline, in two lanes shared fairly between clients.
           checked, its compile cost estimated (structured/grammar_bounds.py), a frame
       cost > MAX_COMPILE_COST ───────────────────────── killed ────► 400, nothing compiled
       cost > CHEAP_COMPILE_COST: it moves to the slow lane (runs on in a free slot there,
-          else is killed and queued there)
+          else is killed and queued there), where checks run as SCHED_IDLE: only on CPU the
+          engine leaves idle
       it compiles for the model's vocabulary; some output must be possible
       ok: its cost goes with it to the engine, which compiles it again for its matcher in
           the lane that cost calls for (bounded: it compiled in time here)
@@ -375,6 +376,7 @@ class GrammarChecker:
         check.lane = "slow"
         if len(slow.running) < slow.slots:
             slow.running[check.id] = check
+            self._send({"op": "idle", "id": check.id})  # the child does so itself on a cost
         else:
             self._send({"op": "kill", "id": check.id})
             self.num_demoted += 1

@@ -21,6 +21,7 @@ at once, at most PIPE_BUF bytes, so children sharing the pipe never interleave.
     to the worker    {"op": "init", "tokenizer", "vocab_size", "stop_ids", "memory_mb",
                       "cpu_s"}, then {"op": "check", "id", "kind", "spec",
                       "disable_any_whitespace", "where"} or {"op": "kill", "id"};
+                     or {"op": "idle", "id"} (a check moved to the slow lane: SCHED_IDLE);
                      EOF: kill every child, exit
     from it          {"ready": true} | {"fatal": msg}; per check {"id", "work"} once the
                      grammar is built (its limits of structured/limits.py and its shape of
@@ -43,6 +44,7 @@ import sys
 from typing import Any
 
 from conveyor.structured.grammar import GrammarUnsatisfiableError, build_checked, can_start
+from conveyor.structured.grammar_bounds import CHEAP_COMPILE_COST
 from conveyor.structured.params import _from_spec
 
 PIPE_BUF = 4096
@@ -114,7 +116,9 @@ class _Worker:
         if message["op"] == "check":
             self.fork(message)
         elif message["op"] == "kill":
-            self.kill(int(message["id"]))
+            self.signal(int(message["id"]), signal.SIGKILL)
+        elif message["op"] == "idle":
+            self.signal(int(message["id"]), None)
 
     def fork(self, message: dict[str, Any]) -> None:
         pid = os.fork()
@@ -128,11 +132,15 @@ class _Worker:
             os._exit(code)
         self.children[pid] = int(message["id"])
 
-    def kill(self, check_id: int) -> None:
+    def signal(self, check_id: int, sig: int | None) -> None:
+        """Send `sig` to the check's child; None: let it run only on otherwise idle CPU."""
         for pid, cid in self.children.items():
             if cid == check_id:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    if sig is None:
+                        _idle(pid)
+                    else:
+                        os.kill(pid, sig)
 
     def kill_all(self) -> None:
         for pid in list(self.children):
@@ -188,6 +196,8 @@ def _run_check(message: dict[str, Any], compiler: Any, vocab_size: int) -> dict[
     try:
         grammar, shape = build_checked(so, where)
         _write({"id": check_id, "work": -1 if shape is None else shape.work})
+        if shape is None or shape.work * vocab_size > CHEAP_COMPILE_COST:
+            _idle(0)  # a costly compile (the server's slow lane)
         compiled = compiler.compile_grammar(grammar)
         if not can_start(xgr.GrammarMatcher(compiled), vocab_size, shape is not None):
             raise GrammarUnsatisfiableError(
@@ -200,6 +210,13 @@ def _run_check(message: dict[str, Any], compiler: Any, vocab_size: int) -> dict[
         if "bad_alloc" in str(exc):  # xgrammar's C++ out of memory (the RLIMIT_AS budget)
             return _memory_error(check_id, where)
         return {"id": check_id, "error": str(exc)[:_MAX_MESSAGE], "reason": "invalid"}
+
+
+def _idle(pid: int) -> None:
+    """SCHED_IDLE for `pid` (0: this process): a costly check runs only on CPU the engine
+    leaves idle, so it holds up no step (docs/kernels.md#measured-choices)."""
+    with contextlib.suppress(AttributeError, OSError):  # no SCHED_IDLE off Linux
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _memory_error(check_id: int, where: str) -> dict[str, Any]:
