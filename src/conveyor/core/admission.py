@@ -11,17 +11,31 @@ in the same order, so a short request never waits for a long one.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from conveyor.core.chunking import is_partial, num_tokens_to_schedule
+from conveyor.core.chunking import LongPrefills, is_partial, num_tokens_to_schedule
 from conveyor.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from conveyor.core.scheduler import Scheduler
+    from conveyor.core.block_manager import BlockManager
+    from conveyor.core.policy_base import SchedulingPolicy
+    from conveyor.core.waiting_queue import WaitingQueue
+
+
+class AdmittingScheduler(Protocol):
+    """What admission reads of the scheduler (core/scheduler.py's Scheduler is one), named
+    here so that this module does not import the one that imports it."""
+
+    running: list[Sequence]
+    waiting: WaitingQueue
+    block_manager: BlockManager
+    policy: SchedulingPolicy
+    long_prefills: LongPrefills
+    max_num_seqs: int
 
 
 def admit_waiting(
-    sched: Scheduler,
+    sched: AdmittingScheduler,
     budget: int,
     scheduled: list[Sequence],
     num_scheduled: dict[str, int],
