@@ -131,7 +131,7 @@ class LongPrefills:
         if others <= 0:
             if self.after_others and known:
                 gap = self.GAP_STEPS * self.others_s / self.token_s  # type: ignore[operator]
-                return min(self.threshold, max(1, int(gap)))
+                return min(most, max(1, int(gap)))
             return most
         if self.shared_steps >= self._PROBE_EVERY:
             return 0  # this step times the others alone
