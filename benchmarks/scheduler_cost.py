@@ -26,9 +26,9 @@ import random
 import statistics
 import time
 
+from conveyor.config import EngineConfig
 from conveyor.core.policies import available_policies
 from conveyor.core.scheduler import Scheduler
-from conveyor.engine.config import EngineConfig
 from conveyor.simulator import StepCost
 from conveyor.simulator.loop import _EOS, _TOKEN, _make_request
 from conveyor.simulator.trace import synthetic_trace

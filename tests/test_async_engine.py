@@ -245,7 +245,7 @@ def test_stats_log_line_rates_are_over_busy_time_and_idle_intervals_log_nothing(
 def test_engine_thread_reports_how_long_each_step_ran(demo_model_dir) -> None:
     import threading
 
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.entrypoints.engine_thread import EngineThread
 
@@ -297,7 +297,7 @@ def test_a_built_engine_thread_steps_in_the_thread_that_built_the_engine(
     the weights' loading and the steps share one thread."""
     import threading
 
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.entrypoints.engine_thread import EngineThread
 
@@ -328,7 +328,7 @@ def test_a_built_engine_thread_steps_in_the_thread_that_built_the_engine(
 def test_a_built_engine_thread_raises_what_building_raised_and_stops_unstarted(
     demo_model_dir,
 ) -> None:
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.entrypoints.engine_thread import EngineThread
 
@@ -353,7 +353,7 @@ def test_the_engine_process_steps_in_the_thread_that_built_the_engine(
     import threading
     from multiprocessing import Pipe
 
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
     from conveyor.entrypoints.engine_child import run_engine_process
     from conveyor.entrypoints.wire import unpack_output
 

@@ -258,7 +258,7 @@ def test_norms_the_kernel_cannot_take_stay_in_torch(kernels):
 
 @pytest.mark.parametrize(("backend", "fused"), [("auto", True), ("cpu", True), ("torch", False)])
 def test_the_runner_uses_the_c_kernels_with_the_cpu_backend_only(kernels, backend, fused):
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
     from conveyor.model.runner import ModelRunner
 
     config = EngineConfig(attention_backend=backend, num_kv_blocks=8, max_model_len=64)

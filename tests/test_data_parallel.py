@@ -11,7 +11,7 @@ import pytest
 from tests.serve_process import metric_value
 
 from conveyor import LLM
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from conveyor.entrypoints.replica_metrics import DataParallelMetrics
 from conveyor.entrypoints.replica_placement import replica_placements

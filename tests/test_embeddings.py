@@ -25,7 +25,7 @@ from tests.hf_checkpoints import write_checkpoint
 from tests.serve_process import metric_value, start_server
 
 from conveyor import LLM, PoolingParams, SamplingParams
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.model.loading.pooling_config import read_pooling_config
 from conveyor.server.config import build_serve_config
 

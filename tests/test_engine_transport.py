@@ -22,7 +22,7 @@ import pytest
 from tests.serve_process import slow_step_env
 
 from conveyor import AsyncLLM, SamplingParams
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.entrypoints.engine_process import EngineProcess
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

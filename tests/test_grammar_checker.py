@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from tests.process_tree import children
 
+from conveyor.engine.tokenizer import Tokenizer
 from conveyor.structured.grammar import GrammarError, GrammarTimeoutError
 from conveyor.structured.grammar_checker import (
     MAX_COMPILE_COST,
@@ -31,7 +32,8 @@ VOCAB = 8192  # the demo model's
 
 def _checker(demo_model_dir: Path, **kw) -> GrammarChecker:
     options = {"timeout_s": 30.0, **kw}
-    return GrammarChecker(str(demo_model_dir), VOCAB, [0], options.pop("timeout_s"), **options)
+    hf = Tokenizer.from_pretrained(str(demo_model_dir)).hf
+    return GrammarChecker(hf, VOCAB, [0], options.pop("timeout_s"), **options)
 
 
 def _optional_terms(n: int, tag: str = "") -> StructuredOutputsParams:

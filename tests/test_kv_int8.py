@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.model.attention import build_attention_metadata
 from conveyor.model.attention.torch_attention import TorchAttentionBackend
 from conveyor.model.kv_cache import (

@@ -16,7 +16,7 @@ HEAVY = ("torch", "triton", "transformers", "fastapi", "uvicorn")
         "conveyor.core",
         "conveyor.core.scheduler",
         "conveyor.core.policies",
-        "conveyor.engine.config",
+        "conveyor.config",
         "conveyor.engine.outputs",
         "conveyor.simulator",
         "conveyor.model.loading.checkpoint",
@@ -72,8 +72,24 @@ def test_server_knows_nothing_of_blocks_or_tensors():
 
 
 def test_core_imports_only_core_and_the_plain_shared_modules():
-    allowed = ("conveyor.core", "conveyor.engine.config", "conveyor.sampling_params",
+    allowed = ("conveyor.core", "conveyor.config", "conveyor.sampling_params",
                "conveyor.validation")  # fmt: skip
     imported = {n for names in _imports("core").values() for n in names}
+    assert sorted(n for n in imported if n.startswith("conveyor") and
+                  not n.startswith(allowed)) == []  # fmt: skip
+
+
+def test_settings_import_nothing_above_them():
+    # Registries of higher layers (policies, attention backends) are named, not imported:
+    # conveyor.config.settings.lazy_choices.
+    allowed = ("conveyor.config", "conveyor.pooling_params", "conveyor.validation")
+    imported = {n for names in _imports("config").values() for n in names}
+    assert sorted(n for n in imported if n.startswith("conveyor") and
+                  not n.startswith(allowed)) == []  # fmt: skip
+
+
+def test_structured_imports_only_the_layers_below_it():
+    allowed = ("conveyor.structured", "conveyor.core.sequence", "conveyor.json_depth")
+    imported = {n for names in _imports("structured").values() for n in names}
     assert sorted(n for n in imported if n.startswith("conveyor") and
                   not n.startswith(allowed)) == []  # fmt: skip

@@ -6,10 +6,10 @@ import pickle
 
 import pytest
 
+from conveyor.config import EngineConfig
 from conveyor.core.limits import PromptError, PromptLimits, check_kv_fits
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import Sequence
-from conveyor.engine.config import EngineConfig
 from conveyor.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 LIMITS = PromptLimits(max_model_len=64, vocab_size=100, kv_capacity=128)

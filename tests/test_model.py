@@ -318,7 +318,7 @@ def test_kv_cache_size_matches_allocation(models):
 def test_kv_cache_default_fits_the_demo_and_never_exceeds_what_max_num_seqs_can_use(
     demo_model_dir,
 ):
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
     from conveyor.model.runner import DEMO_KV_CACHE_SPACE_GB, ModelRunner
 
     demo = ModelRunner(EngineConfig(device="cpu"), str(demo_model_dir))  # config.model None

@@ -10,11 +10,11 @@ import math
 
 import pytest
 
+from conveyor.config import EngineConfig
 from conveyor.core.policies import available_policies, make_policy
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceStatus
-from conveyor.engine.config import EngineConfig
 from conveyor.sampling_params import SamplingParams
 
 TOKEN = 7

@@ -154,7 +154,7 @@ def test_kv_bytes_from_a_profile(total, free, peak, util, expected) -> None:
 
 
 def test_bad_prefix_caching_settings_are_refused() -> None:
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
 
     with pytest.raises(ValueError, match="enable_prefix_caching must be true or false"):
         EngineConfig(enable_prefix_caching="yes")

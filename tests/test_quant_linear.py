@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.model.cpu.quant_linear import (
     GEMM_ROWS,
     MAX_TILE,

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conveyor.config import EngineConfig
 from conveyor.core.policies import make_policy
 from conveyor.core.rank_index import remaining
 from conveyor.core.sequence import Sequence, SequenceStatus
 from conveyor.core.waiting_queue import WaitingQueue
-from conveyor.engine.config import EngineConfig
 from conveyor.sampling_params import SamplingParams
 
 # One operation: ("add", arrival step, max_tokens, length_hint, deadline, outputs, front),

@@ -16,6 +16,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from conveyor.config import EngineConfig
 from conveyor.core.chunking import PROMPT_LOGPROBS_CHUNK
 from conveyor.core.policies import (
     FifoPolicy,
@@ -27,7 +28,6 @@ from conveyor.core.policies import (
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceStatus
-from conveyor.engine.config import EngineConfig
 from conveyor.sampling_params import SamplingParams
 
 TOKEN = 7  # what the fake model samples unless a test says otherwise

@@ -20,7 +20,7 @@ from tests.serve_process import conveyor_command, free_port
 
 from conveyor import LLM, AsyncLLM
 from conveyor.cli import main
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.entrypoints.model_names import served_model_names
 from conveyor.server.config import build_serve_config
 

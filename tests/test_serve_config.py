@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conveyor.cli import build_parser, main
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.server.config import ServerConfig, build_serve_config, read_config_file
 
 ROOT = Path(__file__).resolve().parents[1]

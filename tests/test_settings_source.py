@@ -1,5 +1,6 @@
-"""Each setting is written once, as a field of EngineConfig or ServerConfig (conveyor/settings.py):
-the `conveyor serve` flags, configs/default.yaml and docs/configuration.md's table follow it.
+"""Each setting is written once, as a field of EngineConfig or ServerConfig
+(conveyor/config/settings.py): the `conveyor serve` flags, configs/default.yaml and
+docs/configuration.md's table follow it.
 
 When one of these fails after a setting changed: `python -m conveyor.config_docs --write`.
 """
@@ -18,10 +19,10 @@ import yaml
 
 from conveyor import config_docs
 from conveyor.cli import build_parser
+from conveyor.config import EngineConfig
+from conveyor.config.settings import SECTIONS, default_text, value_type
 from conveyor.core.policies import BUILTIN_POLICIES, available_policies
-from conveyor.engine.config import EngineConfig
 from conveyor.server.config import ServerConfig, build_serve_config
-from conveyor.settings import SECTIONS, default_text, value_type
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = [f for cls in (EngineConfig, ServerConfig) for f in dataclasses.fields(cls)]
@@ -40,7 +41,7 @@ def _flags(name: str) -> dict[str, argparse.Action]:
 
 def test_every_field_documents_itself() -> None:
     for f in FIELDS:
-        assert f.metadata.get("help"), f"{f.name}: made without conveyor.settings.setting"
+        assert f.metadata.get("help"), f"{f.name}: made without conveyor.config.settings.setting"
         assert f.metadata["section"] in SECTIONS, f.name
         assert (f.default is None) == (f.metadata["unset"] is not None), f.name
 

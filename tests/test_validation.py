@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.config import ServerConfig
 from conveyor.simulator.loop import StepCost

@@ -5,7 +5,7 @@ Adding a command (`serve`, `simulate`, `bench`, ...) means writing two functions
 and listing `_add_<name>` in `_COMMANDS`. Commands import their heavy modules (torch, the
 engine) inside `_<name>`, so `conveyor --version` and `--help` stay instant; `serve`'s and
 `simulate`'s settings flags are made from the config dataclasses' fields
-(conveyor/settings.py), which are plain Python.
+(conveyor/config/settings.py), which are plain Python.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
+    from conveyor.config.settings import add_sectioned_flags
     from conveyor.server.config import ServerConfig
-    from conveyor.settings import add_sectioned_flags
 
     parser = commands.add_parser(
         "serve",
@@ -88,7 +88,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--config FILE, then these flags. SIGTERM or Ctrl-C stops admitting requests, lets "
         "in-flight ones finish for --shutdown-timeout seconds, then aborts the rest.",
     )
-    # The flags are the fields of EngineConfig and ServerConfig (conveyor/settings.py), each
+    # The flags are the fields of EngineConfig and ServerConfig (conveyor/config/settings.py), each
     # with the default None: an unset flag leaves the config file's value (or the field's).
     parser.add_argument(
         "--config", metavar="FILE", type=Path, help="YAML settings, e.g. configs/demo.yaml"
@@ -108,8 +108,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_simulate(commands: argparse._SubParsersAction) -> None:
-    from conveyor.engine.config import EngineConfig
-    from conveyor.settings import add_flags
+    from conveyor.config import EngineConfig
+    from conveyor.config.settings import add_flags
 
     parser = commands.add_parser(
         "simulate",
@@ -158,8 +158,8 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     import json
 
+    from conveyor.config import EngineConfig
     from conveyor.core.policies import available_policies
-    from conveyor.engine.config import EngineConfig
     from conveyor.simulator import StepCost, format_table, simulate
     from conveyor.simulator.trace import GUIDE_WORKLOADS, load_trace, synthetic_trace
 

@@ -4,7 +4,7 @@
     python -m conveyor.config_docs --check   # exit 1 if either disagrees with the fields
     python -m conveyor.config_docs --yaml    # print the YAML file (--table: the table)
 
-The fields of EngineConfig and ServerConfig (conveyor/settings.py) are the one source; these
+The fields of EngineConfig and ServerConfig (conveyor/config/settings.py) are the one source; these
 two files are their rendering, and tests/test_settings_source.py fails when they drift.
 """
 
@@ -17,7 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conveyor.settings import SECTIONS, choices_text, flag_name, shown, value_type
+from conveyor.config.settings import SECTIONS, choices_text, flag_name, shown, value_type
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_YAML = Path("configs") / "default.yaml"
@@ -33,7 +33,7 @@ _YAML_HEADER = """\
 #
 # Every setting with its built-in default. Flags given on the command line override this
 # file (e.g. `--port 9000`); keys may be written with `_` or `-`; an unknown key is an error.
-# Engine keys are the fields of conveyor.engine.config.EngineConfig, server keys those of
+# Engine keys are the fields of conveyor.config.EngineConfig, server keys those of
 # conveyor.server.config.ServerConfig; this file is generated from them
 # (`python -m conveyor.config_docs --write`): change a setting there, not here.
 """
@@ -42,7 +42,7 @@ _WIDTH = 99
 
 
 def _classes() -> tuple[type, ...]:
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
     from conveyor.server.config import ServerConfig
 
     return (EngineConfig, ServerConfig)

@@ -43,20 +43,19 @@ import heapq
 import itertools
 from collections import abc
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
+from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.policies_sjf import LengthAwarePolicy, PreemptiveSjfPolicy, SjfPolicy
-from conveyor.core.policy_base import SchedulingPolicy
+from conveyor.core.policy_base import PolicyKnobs, SchedulingPolicy
 from conveyor.core.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:  # annotations only: core/ does not import engine/ at run time
-    from conveyor.engine.config import EngineConfig
 
 __all__ = [
     "BUILTIN_POLICIES",
     "FifoPolicy",
     "LengthAwarePolicy",
+    "PolicyKnobs",
     "PreemptiveSjfPolicy",
     "PriorityPolicy",
     "SchedulingPolicy",
@@ -149,8 +148,8 @@ class PriorityPolicy(SchedulingPolicy):
 
     name = "priority"
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
-        super().__init__(config, block_manager)
+    def __init__(self, knobs: PolicyKnobs, block_manager: BlockManager | None = None) -> None:
+        super().__init__(knobs, block_manager)
         # Fed by the scheduler (on_enqueue); None while the policy is used on its own.
         self._queue: _KeyedQueue | None = None
 
@@ -212,8 +211,8 @@ class StaticBatchPolicy(SchedulingPolicy):
 
     name = "static"
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
-        super().__init__(config, block_manager)
+    def __init__(self, knobs: PolicyKnobs, block_manager: BlockManager | None = None) -> None:
+        super().__init__(knobs, block_manager)
         self._batch: list[Sequence] = []
 
     def _batch_over(self) -> bool:
@@ -271,13 +270,13 @@ def available_policies() -> list[str]:
 
 
 def make_policy(
-    name: str, config: EngineConfig, block_manager: BlockManager | None = None
+    name: str, config: EngineConfig | PolicyKnobs, block_manager: BlockManager | None = None
 ) -> SchedulingPolicy:
     """Build the policy registered as `name`.
 
     Args:
         name: a registered policy name (`available_policies()`).
-        config: the engine config, for the policy's knobs.
+        config: the engine config (or PolicyKnobs): the policy gets its `PolicyKnobs`.
         block_manager: the scheduler's KV blocks, for policies that preempt when it is full.
     Raises:
         ValueError: no policy has that name (the message lists the registered ones).
@@ -287,4 +286,5 @@ def make_policy(
         raise ValueError(
             f"unknown scheduler {name!r}; choose one of: {', '.join(available_policies())}."
         )
-    return cls(config, block_manager)
+    knobs = config if isinstance(config, PolicyKnobs) else PolicyKnobs.of(config)
+    return cls(knobs, block_manager)

@@ -25,15 +25,11 @@ import itertools
 import math
 from collections import abc
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from conveyor.core.block_manager import BlockManager
-from conveyor.core.policy_base import SchedulingPolicy
+from conveyor.core.policy_base import PolicyKnobs, SchedulingPolicy
 from conveyor.core.rank_index import RankIndex, remaining
 from conveyor.core.sequence import Sequence
-
-if TYPE_CHECKING:  # annotations only: core/ does not import engine/ at run time
-    from conveyor.engine.config import EngineConfig
 
 __all__ = ["LengthAwarePolicy", "PreemptiveSjfPolicy", "SjfPolicy", "remaining"]
 
@@ -48,9 +44,9 @@ class SjfPolicy(SchedulingPolicy):
 
     name = "sjf"
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
-        super().__init__(config, block_manager)
-        self.aging_bound_s = config.aging_bound_s
+    def __init__(self, knobs: PolicyKnobs, block_manager: BlockManager | None = None) -> None:
+        super().__init__(knobs, block_manager)
+        self.aging_bound_s = knobs.aging_bound_s
         self._index: RankIndex | None = None
 
     def _new_index(self) -> RankIndex:
@@ -125,10 +121,10 @@ class PreemptiveSjfPolicy(SjfPolicy):
 
     name = "preemptive-sjf"
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
-        super().__init__(config, block_manager)
-        self.threshold = config.preemption_threshold
-        self.cooldown_s = config.preemption_cooldown_s
+    def __init__(self, knobs: PolicyKnobs, block_manager: BlockManager | None = None) -> None:
+        super().__init__(knobs, block_manager)
+        self.threshold = knobs.preemption_threshold
+        self.cooldown_s = knobs.preemption_cooldown_s
 
     def select_preemptions(
         self, running: abc.Sequence[Sequence], waiting: abc.Sequence[Sequence], now: float

@@ -10,13 +10,27 @@ import math
 from abc import ABC, abstractmethod
 from collections import abc
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
+from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.sequence import Sequence
 
-if TYPE_CHECKING:  # annotations only: core/ does not import engine/ at run time
-    from conveyor.engine.config import EngineConfig
+
+@dataclass(frozen=True, slots=True)
+class PolicyKnobs:
+    """The settings a policy reads: the EngineConfig fields of the same names."""
+
+    max_num_seqs: int
+    aging_bound_s: float
+    preemption_threshold: float
+    preemption_cooldown_s: float
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> PolicyKnobs:
+        """The knobs of `config`."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
 class SchedulingPolicy(ABC):
@@ -24,13 +38,13 @@ class SchedulingPolicy(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None) -> None:
+    def __init__(self, knobs: PolicyKnobs, block_manager: BlockManager | None = None) -> None:
         """Args:
-        config: the engine config; a policy copies the knobs it needs.
+        knobs: the settings policies read; a policy copies those it needs.
         block_manager: the scheduler's KV blocks (read-only here), so that preemptive
             policies can tell a full cache; None when the policy is used on its own.
         """
-        self.max_num_seqs = config.max_num_seqs
+        self.max_num_seqs = knobs.max_num_seqs
         self.block_manager = block_manager
 
     @abstractmethod

@@ -48,7 +48,7 @@ from conveyor.core.sequence import Sequence, SequenceStatus
 from conveyor.core.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:  # annotations only: core/ does not import engine/ at run time
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
 
 # For the per-request loops: a global is read far faster than an enum class's member
 # (EnumType's attribute hook costs ~0.2 us a read in CPython 3.11).

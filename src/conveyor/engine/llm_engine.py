@@ -21,10 +21,10 @@ import dataclasses
 import logging
 import time
 
+from conveyor.config import EngineConfig
 from conveyor.core.limits import PromptLimits
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import Sequence, SequenceStatus
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.output_state import OutputState, RequestState
 from conveyor.engine.outputs import Metric, MetricName, RequestMetrics, RequestOutput
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer

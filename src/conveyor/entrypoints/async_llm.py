@@ -33,8 +33,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from conveyor.config import EngineConfig
 from conveyor.core.limits import PromptError
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.entrypoints.engine_client import EngineClient, StepStats
@@ -131,8 +131,7 @@ class AsyncLLM:
         self.engine: LLMEngine | None = started.engine
         self.model_path, self.limits = started.model_path, started.limits
         self.tokenizer = started.tokenizer
-        # What the server's grammar checks load and allow (structured/grammar_checker.py).
-        self.tokenizer_path = config.tokenizer or self.model_path
+        # What the server's grammar checks allow (structured/grammar_checker.py).
         self.grammar_compile_timeout = config.grammar_compile_timeout
         self.pooling = started.pooling  # a PoolingConfig: how embedding requests pool
         self.max_model_len = self.limits.max_model_len

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.engine.outputs import RequestOutput
 from conveyor.entrypoints.engine_client import StepStats
 from conveyor.entrypoints.engine_process import EngineInfo, EngineProcess

@@ -28,7 +28,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 from conveyor.entrypoints.engine_client import StepStats

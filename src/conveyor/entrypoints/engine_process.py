@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from conveyor.config import EngineConfig
 from conveyor.core.limits import PromptLimits
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.outputs import RequestOutput
 from conveyor.entrypoints.engine_client import StepStats
 from conveyor.entrypoints.wire import EngineProcessError, unpack_output

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.config import EngineConfig
 from conveyor.core.limits import PromptLimits
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.entrypoints.data_parallel import DataParallelClient

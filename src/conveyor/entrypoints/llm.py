@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import (
     EmbeddingOutput,

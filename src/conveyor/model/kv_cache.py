@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from conveyor.engine.config import KV_CACHE_DTYPES
+from conveyor.config.engine import KV_CACHE_DTYPES
 from conveyor.model.cpu.huge_pages import ALIGN, arena_empty, huge_page_arena
 
 # The absmax floor: an all-zero row stores zeros with a tiny (harmless) scale. Defined here,

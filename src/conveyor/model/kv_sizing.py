@@ -29,7 +29,7 @@ from conveyor.model.kv_cache import (
 )
 
 if TYPE_CHECKING:
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
     from conveyor.model.runner_settings import RunnerSettings
 
 logger = logging.getLogger(__name__)

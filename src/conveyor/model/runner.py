@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from conveyor.config import EngineConfig
 from conveyor.core.logprobs import TokenLogprobs
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence
-from conveyor.engine.config import EngineConfig
 from conveyor.model.attention.metadata import build_step_metadata
 from conveyor.model.decode_graphs import DecodeGraphs
 from conveyor.model.kv_sizing import allocate_kv_cache, size_kv_cache

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from conveyor.config import EngineConfig
 from conveyor.core.block_manager import cdiv
-from conveyor.engine.config import EngineConfig
 from conveyor.model.cpu.linear import resolve_linear_backend
 from conveyor.model.kv_cache import kv_cache_bytes_per_block
 from conveyor.model.kv_sizing import check_kv_cache_fits, fit_context_to_cache

@@ -38,7 +38,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.model.loading.demo import demo_model_path
 from conveyor.model.runner import ModelRunner
 from conveyor.model.runner_settings import resolve_device

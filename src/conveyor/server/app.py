@@ -115,7 +115,7 @@ def build_app(
     # Several keys, no --cache-salt-from: each key its own cache (server/tenancy.py).
     tenancy = tenant_salt(config.cache_salt_from, len(api_keys))
     grammars = GrammarChecker(
-        engine.tokenizer_path,
+        engine.tokenizer.hf,
         engine.vocab_size,
         engine.tokenizer.eos_token_ids,
         engine.grammar_compile_timeout,

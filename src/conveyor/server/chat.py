@@ -15,6 +15,14 @@ from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.sampling_params import MAX_LOGPROBS, SamplingParams
 from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_flags
 from conveyor.server.clients import request_arrival
+from conveyor.server.constraints import (
+    DeadlinePassedError,
+    checked_structured_outputs,
+    checked_tool_constraint,
+    deadline_at,
+    relabeled,
+    requested_structured_outputs,
+)
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import ChatCompletionRequest
@@ -35,14 +43,6 @@ from conveyor.server.sse import ChatChunks
 from conveyor.server.streaming import sse_response
 from conveyor.server.tool_parsers import ToolCall
 from conveyor.server.tools import ToolCallStream, ToolSetup, tool_call_dict, tool_setup
-from conveyor.structured.request import (
-    DeadlinePassedError,
-    checked_structured_outputs,
-    checked_tool_constraint,
-    deadline_at,
-    relabeled,
-    requested_structured_outputs,
-)
 
 
 @dataclass(slots=True)

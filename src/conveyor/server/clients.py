@@ -2,7 +2,7 @@
 and when it came (its deadline and latency count from then, not from when the engine got it).
 
 `ClientIdentity` (ASGI middleware) sets `current_client()` and `request_arrival()` for the
-request's whole handling, so code deep in a request's path (structured/request.py's grammar
+request's whole handling, so code deep in a request's path (server/constraints.py's grammar
 checks, the engine calls) reads them without every signature on the way carrying them. A key
 is hashed, never kept; two keys are two clients even from one address, and without keys
 every address is a client.

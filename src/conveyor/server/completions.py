@@ -12,6 +12,12 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_flags
 from conveyor.server.clients import request_arrival
+from conveyor.server.constraints import (
+    DeadlinePassedError,
+    checked_structured_outputs,
+    deadline_at,
+    relabeled,
+)
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.offload import INLINE_TOKENS, maybe_off_loop
@@ -26,12 +32,6 @@ from conveyor.server.responses import (
 )
 from conveyor.server.sse import CompletionChunks
 from conveyor.server.streaming import merge_streams, sse_response
-from conveyor.structured.request import (
-    DeadlinePassedError,
-    checked_structured_outputs,
-    deadline_at,
-    relabeled,
-)
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Response:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
+from conveyor.config.settings import ADMISSION, MODEL, PARALLELISM, SERVER, check_choices, setting
 from conveyor.model.loading.checkpoint import check_checkpoint
 from conveyor.server.reasoning import REASONING_PARSER_CHOICES
 from conveyor.server.tenancy import tenant_salt
 from conveyor.server.tool_parsers import TOOL_CALL_PARSERS
-from conveyor.settings import ADMISSION, MODEL, PARALLELISM, SERVER, check_choices, setting
 from conveyor.validation import check_int, check_number, check_positive_int
 
 API_KEY_ENV = "CONVEYOR_API_KEY"

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from conveyor.engine.config import EngineConfig
+from conveyor.config import EngineConfig
 from conveyor.heap import release_freed_memory
 from conveyor.server.config import ServerConfig
 from conveyor.server.connections import (

@@ -153,7 +153,7 @@ class _GenerationRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     best_of: Int | None = None
-    # Output constraints (structured/request.py turns them into StructuredOutputsParams).
+    # Output constraints (server/constraints.py turns them into StructuredOutputsParams).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None

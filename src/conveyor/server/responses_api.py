@@ -34,6 +34,7 @@ from fastapi.responses import Response
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.chat import ChatPlan, prepare_chat, whole_output
 from conveyor.server.clients import request_arrival
+from conveyor.server.constraints import relabeled
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.offload import INLINE_CHARS, INLINE_TOKENS, maybe_off_loop
@@ -42,7 +43,6 @@ from conveyor.server.responses_input import input_messages
 from conveyor.server.responses_protocol import CHAT_TO_RESPONSES, ResponsesRequest, to_chat_request
 from conveyor.server.responses_stream import ResponseEvents, item_id, output_items
 from conveyor.server.streaming import sse_response
-from conveyor.structured.request import relabeled
 
 # Chat's names in error messages, as the Responses request calls them.
 _RENAMED_IN_MESSAGES = {

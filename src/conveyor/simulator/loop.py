@@ -23,9 +23,9 @@ from collections import abc
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.config import EngineConfig
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import Sequence
-from conveyor.engine.config import EngineConfig
 from conveyor.sampling_params import SamplingParams
 from conveyor.simulator.summary import RequestTimeline, SimulationResult
 from conveyor.simulator.trace import TraceRequest

@@ -110,7 +110,7 @@ class GrammarChecker:
     first check.
 
     Args:
-        tokenizer: the tokenizer's path (what Tokenizer.from_pretrained loads).
+        hf_tokenizer: the model's Hugging Face tokenizer (the worker gets its vocabulary).
         vocab_size: the width of the model's logits.
         stop_token_ids: tokens that end an output where the grammar is complete.
         timeout_s: a check's deadline, from when it is asked for.
@@ -121,7 +121,7 @@ class GrammarChecker:
 
     def __init__(
         self,
-        tokenizer: str,
+        hf_tokenizer: Any,
         vocab_size: int,
         stop_token_ids: list[int],
         timeout_s: float,
@@ -130,10 +130,11 @@ class GrammarChecker:
         max_per_client: int = 8,
     ) -> None:
         self._init = {
-            "op": "init", "tokenizer": str(tokenizer), "vocab_size": vocab_size,
+            "op": "init", "vocab_size": vocab_size,
             "stop_ids": list(stop_token_ids), "memory_mb": memory_mb,
             "cpu_s": 1 + int(min(timeout_s, 3600)),
         }  # fmt: skip
+        self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.max_per_client = max_per_client
@@ -228,8 +229,20 @@ class GrammarChecker:
             self._starting = asyncio.get_running_loop().create_task(self._start())
         await asyncio.shield(self._starting)
 
+    def _tokenizer_info(self) -> str:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(
+            self._hf_tokenizer,
+            vocab_size=self.vocab_size,
+            stop_token_ids=self._init["stop_ids"] or None,
+        )
+        return info.serialize_json()
+
     async def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if "tokenizer_info" not in self._init:  # (a vocabulary's walk: off the event loop)
+            self._init["tokenizer_info"] = await asyncio.to_thread(self._tokenizer_info)
         read_fd, write_fd = os.pipe()
         env = {**os.environ, **SINGLE_THREADED_ENV}
         try:

@@ -1,7 +1,7 @@
 """The grammar worker: a process that checks output constraints, one forked child per check.
 
     server (GrammarChecker)  ──frames on stdin──►  worker (this module's main)
-                                                      loads xgrammar and the tokenizer once
+                                                      loads xgrammar and the vocabulary once
                                                       forks one child per check ──► child:
                                                         rlimits (memory, CPU seconds)
                                                         the grammar's shape, a frame
@@ -10,7 +10,7 @@
 
 xgrammar cannot stop a compile, nor the search for a grammar's forced text, once started;
 a child can be killed. Each check runs in a fresh child forked from this process, so it
-starts in milliseconds with xgrammar and the tokenizer already loaded, under a memory limit
+starts in milliseconds with xgrammar and the vocabulary already loaded, under a memory limit
 (RLIMIT_AS: what this process has mapped plus the budget) and a CPU-time limit, and the
 server has the worker kill it when its time is up. The worker itself never runs xgrammar
 work, so it stays single-threaded and fit to fork.
@@ -18,9 +18,10 @@ work, so it stays single-threaded and fit to fork.
 A frame is a 4-byte big-endian length and a JSON object. A child writes each of its frames
 at once, at most PIPE_BUF bytes, so children sharing the pipe never interleave.
 
-    to the worker    {"op": "init", "tokenizer", "vocab_size", "stop_ids", "memory_mb",
-                      "cpu_s"}, then {"op": "check", "id", "kind", "spec",
-                      "disable_any_whitespace", "where"} or {"op": "kill", "id"};
+    to the worker    {"op": "init", "tokenizer_info" (xgrammar's TokenizerInfo as JSON),
+                      "vocab_size", "stop_ids", "memory_mb", "cpu_s"},
+                     then {"op": "check", "id", "kind", "spec", "disable_any_whitespace",
+                      "where"} or {"op": "kill", "id"};
                      or {"op": "idle", "id"} (a check moved to the slow lane: SCHED_IDLE);
                      EOF: kill every child, exit
     from it          {"ready": true} | {"fatal": msg}; per check {"id", "work"} once the
@@ -80,14 +81,8 @@ class _Worker:
     def __init__(self, init: dict[str, Any]) -> None:
         import xgrammar as xgr
 
-        from conveyor.engine.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_pretrained(init["tokenizer"])
         self.vocab_size = int(init["vocab_size"])
-        stop_ids = list(init["stop_ids"]) or None
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer.hf, vocab_size=self.vocab_size, stop_token_ids=stop_ids
-        )
+        info = xgr.TokenizerInfo.deserialize_json(init["tokenizer_info"])
         # Made here, once, so a check starts at its own work (one thread: nothing to fork).
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.memory_bytes = int(init["memory_mb"]) << 20
@@ -247,7 +242,7 @@ def main() -> int:
         buffer += chunk
     try:
         worker = _Worker(frames[0])
-    except Exception as exc:  # a tokenizer it cannot load: every check fails with this
+    except Exception as exc:  # a vocabulary it cannot load: every check fails with this
         _write({"fatal": f"the grammar worker could not start: {exc}"[:_MAX_MESSAGE]})
         return 1
     _write({"ready": True})

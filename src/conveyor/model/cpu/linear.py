@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.engine.config import LINEAR_BACKENDS
+from conveyor.config.engine import LINEAR_BACKENDS
 from conveyor.model.cpu import cpu_kernels
 from conveyor.model.cpu.huge_pages import arena_empty
 from conveyor.validation import check_choice

@@ -38,7 +38,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from conveyor.engine.config import DTYPES
+from conveyor.config.engine import DTYPES
 from conveyor.model.attention import get_attention_backend
 from conveyor.model.cpu import cpu_build, cpu_kernels
 from conveyor.model.cpu.fused_layers import FusedLayers
@@ -67,7 +67,7 @@ from conveyor.model.models.llama import LlamaForCausalLM
 from conveyor.parallel.sharding import Shard
 
 if TYPE_CHECKING:
-    from conveyor.engine.config import EngineConfig
+    from conveyor.config import EngineConfig
     from conveyor.model.cpu.cpu_kernels import CpuKernels
     from conveyor.model.runner_settings import RunnerSettings
 

@@ -2,7 +2,7 @@
 
 Built from `LLM(...)` keyword arguments, CLI flags or configs/*.yaml, then passed down as one
 object; each part copies what it needs in `__init__`. Each field is the one place its setting
-is written (conveyor/settings.py): its help and choices make the `conveyor serve` flag, the
+is written (conveyor/config/settings.py): its help and choices make the `conveyor serve` flag, the
 line of configs/default.yaml and the row of docs/configuration.md. Checks raise ValueError
 with a message a user can act on. `num_kv_blocks` and `max_model_len` may be left None: the
 engine resolves them from memory and the checkpoint before it builds the scheduler.
@@ -13,9 +13,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from conveyor.core.policies import available_policies
+from conveyor.config.settings import (
+    MODEL,
+    PARALLELISM,
+    SCHEDULING,
+    check_choices,
+    choices_of,
+    lazy_choices,
+    setting,
+)
 from conveyor.pooling_params import POOLING_TYPES
-from conveyor.settings import MODEL, PARALLELISM, SCHEDULING, check_choices, setting
 from conveyor.validation import check_int, check_number, check_positive_int
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -41,7 +48,7 @@ class EngineConfig:
         "fifo",
         "scheduling policy (docs/scheduling.md)",
         section=SCHEDULING,
-        choices=available_policies,
+        choices=lazy_choices("conveyor.core.policies", "available_policies"),
     )
     max_num_seqs: int = setting(64, "most requests in one step's batch", section=SCHEDULING)
     max_num_batched_tokens: int = setting(
@@ -202,10 +209,10 @@ class EngineConfig:
         ):
             check_positive_int(name, getattr(self, name))
         # Here, not when the scheduler is built: that comes after the weights and the KV cache.
-        if self.scheduler not in available_policies():
+        policies = choices_of(EngineConfig.__dataclass_fields__["scheduler"]) or ()
+        if self.scheduler not in policies:
             raise ValueError(
-                f"unknown scheduler {self.scheduler!r}; choose one of: "
-                f"{', '.join(available_policies())}."
+                f"unknown scheduler {self.scheduler!r}; choose one of: {', '.join(policies)}."
             )
         check_choices(self)  # every field with choices: block_size, the backends, dtypes, ...
         if self.num_kv_blocks is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -61,6 +62,18 @@ def setting(
     metadata = {"help": help, "section": section, "choices": choices, "unset": unset,
                 "flag": dict(flag or {})}  # fmt: skip
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def lazy_choices(module: str, name: str) -> Callable[[], Sequence[Any]]:
+    """Choices a registry of a higher layer keeps (`module.name`, a sequence or a function
+    returning one), read when a value is checked or a flag made: the settings import nothing
+    above them, and a new entry of the registry is a choice without a line here."""
+
+    def choices() -> Sequence[Any]:
+        found = getattr(importlib.import_module(module), name)
+        return found() if callable(found) else found
+
+    return choices
 
 
 def choices_of(f: dataclasses.Field) -> tuple[Any, ...] | None:
