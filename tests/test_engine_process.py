@@ -166,7 +166,7 @@ def test_an_engine_process_exits_without_waiting_for_a_running_compile(demo_mode
     (2,900 optional terms: minutes on the demo vocabulary). The engine process ends itself at
     once instead; before, stop() waited 30 s and killed it."""
     from conveyor.entrypoints.async_llm import RequestRejectedError
-    from conveyor.structured.params import StructuredOutputsParams
+    from conveyor.structured_params import StructuredOutputsParams
 
     terms = " ".join(f'"{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}"?' for i in range(2900))
     slow = StructuredOutputsParams(grammar=f"root ::= {terms}")

@@ -13,7 +13,7 @@ from conveyor.structured.grammar_bounds import (
     MAX_SHORTEST_OUTPUT,
     grammar_shape,
 )
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 
 xgr = pytest.importorskip("xgrammar")
 

@@ -23,7 +23,7 @@ from conveyor.structured.grammar_checker import (
     GrammarCheckerUnavailableError,
     TooManyGrammarChecksError,
 )
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 
 pytest.importorskip("xgrammar")
 

@@ -17,7 +17,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.structured.grammar import GrammarTimeoutError
 from conveyor.structured.grammar_cache import GrammarCache
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 
 
 def _so(tag: str) -> StructuredOutputsParams:

@@ -13,7 +13,7 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.json_depth import MAX_JSON_DEPTH, deep_path, deep_text_path, format_path
-from conveyor.structured.params import MAX_SCHEMA_DEPTH, StructuredOutputsParams
+from conveyor.structured_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams
 
 
 def nested_objects(depth: int) -> dict:

@@ -19,7 +19,7 @@ from conveyor.structured.limits import (
     check_constraint,
     check_schema,
 )
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 
 
 def _check(**kind: object) -> None:

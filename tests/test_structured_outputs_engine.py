@@ -14,7 +14,7 @@ from conveyor.engine.tokenizer import Tokenizer
 from conveyor.model.sampling.sampler import Sampler
 from conveyor.structured.grammar import GrammarRejectedError, RequestGrammar
 from conveyor.structured.grammar_cache import GrammarCache
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 
 PERSON = Person.model_json_schema()
 

@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass, field
 
 from conveyor.pooling_params import PoolingParams
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 from conveyor.validation import check_int, check_number
 
 # Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`).

@@ -26,6 +26,10 @@ class PolicyKnobs:
     aging_bound_s: float
     preemption_threshold: float
     preemption_cooldown_s: float
+    # The long-prefill rule's limits (core/chunking.py), so that preemption plans for the
+    # requests admission will take (core/admission.py passes some long prompts over).
+    long_prefill_token_threshold: int
+    max_long_partial_prefills: int
 
     @classmethod
     def of(cls, config: EngineConfig) -> PolicyKnobs:
@@ -45,6 +49,8 @@ class SchedulingPolicy(ABC):
             policies can tell a full cache; None when the policy is used on its own.
         """
         self.max_num_seqs = knobs.max_num_seqs
+        self.long_threshold = knobs.long_prefill_token_threshold
+        self.max_long_partial = knobs.max_long_partial_prefills
         self.block_manager = block_manager
 
     @abstractmethod
@@ -134,7 +140,9 @@ class SchedulingPolicy(ABC):
         Walks the candidates (the admission order) while each still fits: a free seat
         (`max_num_seqs`) and enough free blocks for its known tokens. One that does not fit
         takes victims, worst first, while it `outranks` them; if it still does not fit, the
-        plan stops there (admission is in order: nobody behind it may pass).
+        plan stops there (admission is in order: nobody behind it may pass). A long prefill
+        that admission would pass over (as many in progress as `max_long_partial_prefills`
+        allows) is skipped.
 
         Blocks are estimated: free blocks, less what the running requests need to cover their
         known tokens this step, plus what each victim gives back.
@@ -155,11 +163,22 @@ class SchedulingPolicy(ABC):
         def growth(r: Sequence) -> int:  # blocks r still needs to cover its known tokens
             return 0 if bm is None else max(0, bm.num_blocks_for(r.num_tokens) - held(r))
 
+        threshold = self.long_threshold
+
+        def is_long(r: Sequence) -> bool:  # a long prefill of the chunking rule
+            return 0 < threshold < r.num_tokens - r.num_computed_tokens
+
         seats = self.max_num_seqs - len(running)
         free = math.inf if bm is None else bm.num_free_blocks - sum(map(growth, running))
+        longs = sum(map(is_long, running)) if threshold else 0
         chosen: list[Sequence] = []
         v = 0
         for cand in candidates:
+            long = is_long(cand)
+            if long and longs >= self.max_long_partial:
+                # Admission passes it over this step: preempting for it would only free a
+                # seat for someone behind it, who may be the next victim (a livelock).
+                continue
             need = 0 if bm is None else bm.num_blocks_for(cand.num_tokens)
             s, f, j = seats, free, v
             while (s < 1 or f < need) and j < len(victims) and outranks(cand, victims[j]):
@@ -170,4 +189,5 @@ class SchedulingPolicy(ABC):
                 break
             chosen.extend(victims[v:j])
             seats, free, v = s - 1, f - need, j
+            longs += long
         return chosen

@@ -200,8 +200,11 @@ class Scheduler:
         ):
             # Requests the policy just preempted are not re-admitted in the same step.
             skip = set(preempted_ids)
+            long_share = share - long_tokens
+            if num_policy_preemptions:  # a long prompt the policy preempted for is admitted
+                long_share = max(long_share, 1)
             budget, admitted_long, waiting_long = admit_waiting(
-                self, budget, scheduled, num_scheduled, admitted, now, skip, share - long_tokens
+                self, budget, scheduled, num_scheduled, admitted, now, skip, long_share
             )
             long_tokens += admitted_long
         total = self.max_num_batched_tokens - budget

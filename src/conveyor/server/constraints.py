@@ -39,7 +39,7 @@ from conveyor.structured.grammar_checker import (
     TooManyGrammarChecksError,
 )
 from conveyor.structured.limits import check_constraint
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 
 _GUIDED = {
     "guided_json": "json",

@@ -44,7 +44,7 @@ from conveyor.server.tool_parsers import (
     parse_required,
     snapshot_required,
 )
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ANY_OBJECT = {"type": "object", "properties": {}}

@@ -35,7 +35,7 @@ from conveyor.structured.grammar_bounds import (
     check_grammar_shape,
 )
 from conveyor.structured.limits import check_constraint
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr

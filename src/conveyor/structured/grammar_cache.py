@@ -38,7 +38,7 @@ from conveyor.structured.grammar import (
     can_start,
 )
 from conveyor.structured.grammar_bounds import CHEAP_COMPILE_COST
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -43,7 +43,7 @@ from typing import Any
 from conveyor.structured.grammar import GrammarError, GrammarTimeoutError
 from conveyor.structured.grammar_bounds import CHEAP_COMPILE_COST, MAX_COMPILE_COST
 from conveyor.structured.grammar_worker import SINGLE_THREADED_ENV, decode_frames, encode_frame
-from conveyor.structured.params import StructuredOutputsParams
+from conveyor.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from typing import Any
 
 from conveyor.structured.grammar import GrammarUnsatisfiableError, build_checked, can_start
 from conveyor.structured.grammar_bounds import CHEAP_COMPILE_COST
-from conveyor.structured.params import _from_spec
+from conveyor.structured_params import _from_spec
 
 PIPE_BUF = 4096
 _HEADER = struct.Struct(">I")
