@@ -886,3 +886,31 @@ def test_prefix_caching_off_computes_every_prompt_in_full():
         sched.add_request(make_request(f"p#{i}", 20))
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"p#0": 20, "p#1": 20, "p#2": 20}
+
+
+@pytest.mark.parametrize("long_threshold", [0, 8])
+def test_preemption_frees_no_seat_for_a_long_prompt_admission_would_pass_over(long_threshold):
+    # X, a long prompt in progress, holds blocks that Z (shorter output, long prompt) needs.
+    # With the long-prefill rule (one long prefill at a time) admission passes Z over while
+    # X runs, so preempting X for Z would hand X's seat to someone else, and the state
+    # machine found two requests preempting each other that way forever.
+    now = [0.0]
+    sched = Scheduler(
+        EngineConfig(
+            scheduler="preemptive-sjf", preemption_cooldown_s=0.0, aging_bound_s=math.inf,
+            max_num_seqs=6, max_num_batched_tokens=42, block_size=16, num_kv_blocks=9,
+            max_model_len=256, enable_prefix_caching=False,
+            long_prefill_token_threshold=long_threshold, max_num_partial_prefills=1,
+            max_long_partial_prefills=1,
+        ),
+        clock=lambda: now[0],
+    )  # fmt: skip
+    x = make_request("x", 100, max_tokens=7)
+    sched.add_request(x)
+    while x.num_computed_tokens < 16:
+        step(sched)
+        now[0] += 0.01
+    z = make_request("z", 61, max_tokens=1)
+    sched.add_request(z)
+    victims = sched.policy.select_preemptions(sched.running, sched.waiting, now[0])
+    assert victims == ([] if long_threshold else [x])
