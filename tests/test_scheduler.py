@@ -219,7 +219,7 @@ def test_a_long_token_dearer_than_a_decode_step_sits_steps_out_but_is_never_star
 
 
 def test_the_long_prefill_share_follows_the_measured_step_times():
-    from conveyor.core.chunking import LongPrefills
+    from conveyor.core.long_prefills import LongPrefills
 
     rule = LongPrefills(256, 4, 1)
     assert rule.share(1) == 1  # times unknown: one token a step
@@ -237,6 +237,42 @@ def test_the_long_prefill_share_follows_the_measured_step_times():
         gpu.spend(takes[-1], 1, True)
     assert takes == [1, 2, 4, 8, 16, 32, 64, 128, 0, 256]  # doubling to T, a probe step
     assert LongPrefills(256, 4, 1).share(0) == 1  # alone: from one token, doubling too
+
+
+@pytest.mark.parametrize(("comes_back_s", "holds"), [(0.002, True), (1.0, False)])
+def test_the_engine_waits_for_a_returning_client_before_a_long_prefills_alone_step(
+    comes_back_s, holds
+):
+    # A client sends one short request after another beside a long prompt. When its request
+    # ends, only the long prompt is left: the next step would run it alone, and one of its
+    # tokens (10 ms) costs two decode steps. Once a few gaps were seen, the engine waits for
+    # a client that comes back sooner than that step would take, never for a slower one.
+    clock = CostClock()
+    clock.BASE_S, clock.PER_TOKEN_S = 0.005, 0.010
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=2048, block_size=8, num_kv_blocks=1024,
+        max_model_len=8192, enable_prefix_caching=False, long_prefill_token_threshold=256,
+    )  # fmt: skip
+    sched = Scheduler(config, clock=clock)
+    sched.add_request(make_request("long", 3000, max_tokens=1))
+    holds_s = []
+    back_at = 0.0
+    for i in range(10):
+        short = make_request(f"s{i}", 4, max_tokens=12)
+        short.arrival_time = back_at
+        sched.add_request(short)
+        assert sched.hold_s() == 0.0  # a short request is waiting: no wait
+        while not short.is_finished:
+            clock.step(sched)
+            assert short.is_finished or sched.hold_s() == 0.0  # it is still running
+        holds_s.append(sched.hold_s())
+        back_at = clock.now + comes_back_s
+        if holds_s[-1] >= comes_back_s:  # the engine waits, and the client is back
+            clock.now = back_at
+        while clock.now < back_at:  # else it runs the long prompt alone meanwhile
+            clock.step(sched)
+    assert holds_s[:4] == [0.0] * 4  # too few gaps seen yet
+    assert holds_s[4:] == ([pytest.approx(comes_back_s)] * 6 if holds else [0.0] * 6)
 
 
 def test_a_long_prefill_alone_doubles_its_chunk_up_to_the_threshold():

@@ -59,7 +59,7 @@ class EngineConfig:
         "a prompt with more than this many tokens left to compute is a long prefill: it "
         "computes at most this many a step, and beside decodes and short prompts the long "
         "prefills take what costs about half of their step time (measured), so one long "
-        "prompt never stalls them (core/chunking.py); 0: off, any prompt may take the whole "
+        "prompt never stalls them (core/long_prefills.py); 0: off, any prompt may take the whole "
         "step's budget",
         section=SCHEDULING,
     )

@@ -2,7 +2,7 @@
 requests (core/scheduler.py).
 
 Waiting requests are tried in the policy's order (`admission_candidates`) while the step has
-budget, seats and KV blocks. A long prefill (core/chunking.py) is passed over while
+budget, seats and KV blocks. A long prefill (core/long_prefills.py) is passed over while
 `max_long_partial_prefills` long ones are in progress, and any prompt the step would leave
 unfinished while `max_num_partial_prefills` are: the requests behind it are tried instead,
 in the same order, so a short request never waits for a long one.
@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Protocol
 
-from conveyor.core.chunking import LongPrefills, is_partial, num_tokens_to_schedule
+from conveyor.core.chunking import is_partial, num_tokens_to_schedule
+from conveyor.core.long_prefills import LongPrefills
 from conveyor.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:

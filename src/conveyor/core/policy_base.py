@@ -26,7 +26,7 @@ class PolicyKnobs:
     aging_bound_s: float
     preemption_threshold: float
     preemption_cooldown_s: float
-    # The long-prefill rule's limits (core/chunking.py), so that preemption plans for the
+    # The long-prefill rule's limits (core/long_prefills.py), so that preemption plans for the
     # requests admission will take (core/admission.py passes some long prompts over).
     long_prefill_token_threshold: int
     max_long_partial_prefills: int

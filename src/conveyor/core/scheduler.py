@@ -15,7 +15,7 @@ prefill), a decoding request gets 1, and a preempted request recomputes everythi
 A request with prompt_logprobs computes its prompt in chunks of at most PROMPT_LOGPROBS_CHUNK
 tokens (core/chunking.py), so its vocabulary-wide prompt rows never stall the others' step.
 Long prefills (more than `long_prefill_token_threshold` tokens left) are scheduled after the
-other running requests and share the step with them (core/chunking.py's LongPrefills): at most
+other running requests and share the step with them (core/long_prefills.py): at most
 `max_long_partial_prefills` of them run at once, and a long waiting request is passed over
 while they do, so shorter requests behind it in policy order are admitted (the policy's order
 among the admitted ones is kept). At most `max_num_partial_prefills` prompts are left
@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING
 
 from conveyor.core.admission import admit_waiting
 from conveyor.core.block_manager import BlockManager
-from conveyor.core.chunking import LongPrefills, num_tokens_to_schedule
+from conveyor.core.chunking import num_tokens_to_schedule
 from conveyor.core.limits import check_kv_fits
+from conveyor.core.long_prefills import LongPrefills
 from conveyor.core.policies import make_policy
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceStatus
@@ -135,10 +136,27 @@ class Scheduler:
         )
         request.status = SequenceStatus.WAITING
         self.requests[request.request_id] = request
+        self.long_prefills.arrived(request.arrival_time)
         self.policy.on_enqueue(request, self.waiting.append(request))
         deadline_at = request.deadline_at
         if deadline_at != math.inf:
             heapq.heappush(self._deadlines, (deadline_at, next(self._deadline_seq), request))
+
+    def hold_s(self) -> float:
+        """Seconds the engine loop may wait for a new request before the next step: > 0 only
+        when that step would run long prefills alone right after other work ended
+        (LongPrefills.hold_s)."""
+        rule = self.long_prefills
+        if not (rule.threshold and rule.after_others and self.has_unfinished_requests()):
+            return 0.0
+        if not all(rule.is_long(r.num_tokens - r.num_computed_tokens) for r in self.running):
+            return 0.0
+        if not all(rule.is_long(r.num_tokens) for r in self.waiting):
+            return 0.0
+        hold = rule.hold_s(self.clock())
+        if hold:  # the wait is no part of the previous step's time (LongPrefills.observe)
+            self._step_tokens = 0
+        return hold
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks.
