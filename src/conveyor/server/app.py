@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from conveyor import __version__
 from conveyor.entrypoints.async_llm import AsyncLLM, EngineNotRunningError
 from conveyor.server.admission import BodySizeLimit, install_client_limits
-from conveyor.server.body_depth import DepthCheckedRoute
+from conveyor.server.body_checks import BodyCheckedRoute
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.clients import ClientIdentity
 from conveyor.server.completions import create_completion
@@ -105,9 +105,10 @@ def build_app(
             await engine.shutdown()
 
     app = FastAPI(title="conveyor", version=__version__, lifespan=lifespan)
-    app.router.route_class = DepthCheckedRoute  # every route below: bodies nest 64 deep at most
+    app.router.route_class = BodyCheckedRoute  # every route below: body checks before pydantic
     install_error_handlers(app)
     config = config or ServerConfig()
+    app.state.max_chat_messages = config.max_chat_messages  # read before pydantic
     if api_key:
         api_keys = [api_key] if isinstance(api_key, str) else list(api_key)
     else:

@@ -1,7 +1,7 @@
 """Every error the server sends, in one place: `{"error": {"message", "type", "param", "code"}}`.
 
     pydantic RequestValidationError (422), malformed JSON  -> 400 BadRequestError, param = field
-    a body nested too deep (server/body_depth.py)           -> 400, param = field
+    a body nested too deep, too many messages (body_checks.py) -> 400, param = field
     APIError / ValueError (SamplingParams, engine checks)  -> 400 (or the APIError's status)
     RequestRejectedError (the engine refused it, e.g. a grammar too slow to compile) -> 400
     unknown route / method (the message names them)         -> 404 / 405 (with Allow)
