@@ -45,6 +45,40 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+    # Mixtures of experts: layer 0 of qwen3-moe stays dense (mlp_only_layers).
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(
+            tie_word_embeddings=True,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        dict(
+            tie_word_embeddings=False,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(
+            tie_word_embeddings=False,
+            sliding_window=None,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+        ),
+    ),
 }
 
 

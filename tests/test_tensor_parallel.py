@@ -28,8 +28,12 @@ NEAR_TIE = 1e-3  # float32 logits: rounding of a different summation order
 NUM_PROMPTS = 8
 
 # llama: GQA 4/2 heads, own lm_head; qwen2: qkv bias, tied embeddings; qwen3: q/k norm, tied,
-# and one KV head for two ranks (replicated).
-CASES = {"llama": {}, "qwen2": {}, "qwen3": {"num_key_value_heads": 1}}
+# and one KV head for two ranks (replicated); qwen2-moe: each expert's and the shared
+# expert's intermediate dimension split, the router replicated; mixtral: its w1/w2/w3 names.
+CASES = {
+    "llama": {}, "qwen2": {}, "qwen3": {"num_key_value_heads": 1}, "qwen2-moe": {},
+    "mixtral": {},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

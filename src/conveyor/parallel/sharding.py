@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# A mixture of experts' intermediate sizes (ModelConfig; 0 where there is none).
+_EXPERT_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size")
+
 
 def check_tensor_parallel(config: Any, size: int) -> None:
     """Refuse a split the model's shapes do not allow (ValueError with the numbers).
@@ -49,11 +52,12 @@ def check_tensor_parallel(config: Any, size: int) -> None:
             f"tensor_parallel_size {size} and the model's {kv_heads} KV heads do not fit: the "
             "size must divide the KV heads, or be a multiple of them (KV heads replicated)."
         )
-    if config.intermediate_size % size:
-        raise ValueError(
-            f"tensor_parallel_size {size} does not divide the model's intermediate_size "
-            f"{config.intermediate_size}."
-        )
+    for name in ("intermediate_size", *_EXPERT_SIZES):
+        width = getattr(config, name, 0)
+        if width % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} does not divide the model's {name} {width}."
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,8 @@ class Shard:
             num_key_value_heads=self.local_kv_heads,
             intermediate_size=self.intermediate_size // self.size,
             vocab_size=self.local_vocab,
+            # Each expert's intermediate dimension is split like a dense MLP's.
+            **{n: getattr(config, n) // self.size for n in _EXPERT_SIZES if hasattr(config, n)},
         )
 
     def _kv_head_start(self) -> int:

@@ -372,7 +372,7 @@ def _assign_weights(
     that was copied (converted, moved or concatenated) is released right after, so the
     weights are in memory about once during the load."""
     expected = dict(model.named_parameters())
-    packed = model.SPEC.packed_modules
+    packed, renames = model.SPEC.packed_modules, model.SPEC.renames
     shard_counts: dict[str, int] = {}
     for fused, index in packed.values():
         shard_counts[fused] = max(shard_counts.get(fused, 0), index + 1)
@@ -385,6 +385,9 @@ def _assign_weights(
         if not name.startswith(("model.", "lm_head.")):  # a bare decoder's names
             name = f"model.{name}"
         parts = name.split(".")
+        if renames:
+            parts = [renames.get(p, p) for p in parts]
+            name = ".".join(parts)
         sources = [(name, item)]
         if len(parts) >= 2 and parts[-2] in packed:
             fused, index = packed[parts[-2]]

@@ -32,6 +32,24 @@ class ModelConfig:
     sliding_window: int | None = None  # the window of the layers that use one
     # One entry per layer: its sliding window, or None for full attention (empty: all full).
     layer_windows: tuple[int | None, ...] = ()
+    # Mixture of experts (models/moe.py; 0 experts: every layer's MLP is dense). A layer i
+    # is sparse unless i is in mlp_only_layers or (i + 1) is no multiple of
+    # decoder_sparse_step, as transformers' Qwen2/3-MoE decide.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is a mixture of experts."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_hf_config(
@@ -107,7 +125,31 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=next((w for w in windows if w is not None), None),
             layer_windows=windows,
+            **_experts(hf),
         )
+
+
+def _experts(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a config.json dict (none: dense)."""
+    # (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, Mixtral's name.)
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    top_k = int(hf["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok must be 1 .. num_experts ({experts}); got {top_k}.")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be at least 1; got {step}.")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "decoder_sparse_step": step,
+        "mlp_only_layers": tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+        "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0),
+    }
 
 
 def layer_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:

@@ -127,11 +127,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn: LlamaAttention) -> None:
+    def __init__(
+        self, config: ModelConfig, attn: LlamaAttention, mlp: nn.Module | None = None
+    ) -> None:
+        """mlp: the feed-forward block (a mixture of experts, say); None: a GatedMLP."""
         super().__init__()
         self.self_attn = attn
         self.tp: Any = None  # a TPGroup: the attention and MLP outputs are partial sums
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        if mlp is None:
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -158,14 +163,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, make_attn: Any) -> None:
+    def __init__(self, config: ModelConfig, make_attn: Any, make_mlp: Any) -> None:
         super().__init__()
         # No random init: the loader fills it (built under the meta device, whose normal_
         # would import torch._dynamo and triton: ~150 MB and a second of start-up).
         shape = (config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, make_attn(i)) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, make_attn(i), make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -213,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         def make_attn(i: int) -> LlamaAttention:
             return LlamaAttention(config, qkv_bias, o_bias, self.qk_norm, backend, windows[i])
 
-        self.model = LlamaModel(config, make_attn)
+        self.model = LlamaModel(config, make_attn, self.make_mlp)
         # Tied: logits reuse the embedding matrix, so there is no lm_head parameter at all.
         self.lm_head = (
             None
@@ -224,6 +230,11 @@ class LlamaForCausalLM(nn.Module):
             self.model.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size, tp)
             for layer in self.model.layers:
                 layer.tp = tp
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module | None:
+        """Decoder layer `layer`'s feed-forward block (None: the dense GatedMLP); a family
+        with another (models/moe.py) overrides this."""
+        return None
 
     def forward(
         self,

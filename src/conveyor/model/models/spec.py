@@ -8,6 +8,8 @@ and the GGUF reader (each family's class holds one `FamilySpec` as `SPEC`). Pure
                                                         names differently
     packed_modules     loading/loader.py                checkpoint weights fused into one
                                                         module (HF leaf -> (ours, index))
+    renames            loading/loader.py                checkpoint module names that are
+                                                        others of ours
     tp_splits          parallel/sharding.py Shard       how tensor parallelism splits each
                                                         weight, by module leaf (SPLITS)
     gguf               loading/gguf_loader.py           its llama.cpp architecture and tensor
@@ -82,6 +84,9 @@ class FamilySpec:
     # ModelConfig field -> the config.json key this family uses for it.
     config_names: Mapping[str, str] = field(default_factory=dict)
     gguf: GGUFNames | None = None
+    # A checkpoint module name -> ours, for any component of a weight's name (Mixtral's
+    # `block_sparse_moe` is our `mlp`), applied before `packed_modules`.
+    renames: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tp_splits.values()) - set(SPLITS))
