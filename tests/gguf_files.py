@@ -27,7 +27,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
 
-_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+         "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}  # fmt: skip
 LAYER_PARTS = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -40,7 +41,17 @@ LAYER_PARTS = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
+# An expert's linear (HF leaf) -> llama.cpp's 3-D tensor of all experts' [E, rows, cols].
+_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "down_proj": "ffn_down_exps", "w1": "ffn_gate_exps", "w3": "ffn_up_exps",
+                 "w2": "ffn_down_exps"}  # fmt: skip
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 # Random-byte K-quant blocks: (bytes per 256 values, offset of the float16 scale(s), scale).
 _K_QUANTS = {
@@ -53,9 +64,28 @@ _K_QUANTS = {
 def gguf_name(hf_name: str) -> str:
     parts = hf_name.split(".")
     leaf = parts[-1]
+    if parts[-2] in _EXPERT_PARTS and parts[3] == "experts":  # a stacked name of _stack_experts
+        return f"blk.{parts[2]}.{_EXPERT_PARTS[parts[-2]]}.{leaf}"
     if parts[:2] == ["model", "layers"]:
         return f"blk.{parts[2]}.{LAYER_PARTS['.'.join(parts[3:-1])]}.{leaf}"
     return f"{_GLOBAL['.'.join(parts[:-1])]}.{leaf}"
+
+
+def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's per-expert weights `...experts.{e}.{leaf}.weight` as one [E, rows, cols]
+    tensor named `...experts.{leaf}.weight` (llama.cpp's ffn_*_exps)."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, value in tensors.items():
+        parts = name.split(".")
+        if len(parts) == 8 and parts[4] == "experts":  # model.layers.N.X.experts.E.leaf.weight
+            key = ".".join(["model", "layers", parts[2], "experts", parts[6], parts[7]])
+            stacks.setdefault(key, {})[int(parts[5])] = value
+        else:
+            out[name] = value
+    for key, by_expert in stacks.items():
+        out[key] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
 
 
 def _permute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -116,8 +146,18 @@ def write_gguf(
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_vocab_size(cfg["vocab_size"])
     _add_tokenizer(w, checkpoint)
+    tensors = _stack_experts(load_file(str(checkpoint / "model.safetensors")))
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(
+            cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        )
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     rng = np.random.default_rng(seed)
-    for name, value in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
+    for name, value in sorted(tensors.items()):
         value = value.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             value = _permute_rows(value, heads if "q_proj" in name else kv_heads)
@@ -130,7 +170,9 @@ def write_gguf(
         if value.ndim == 1 or t == QType.F32:
             w.add_tensor(gguf_name(name), value)
         elif t in _K_QUANTS:
-            w.add_tensor(gguf_name(name), _random_k_blocks(*value.shape, t, rng), raw_dtype=t)
+            rows = math.prod(value.shape[:-1])
+            blocks = _random_k_blocks(rows, value.shape[-1], t, rng)
+            w.add_tensor(gguf_name(name), blocks.reshape(*value.shape[:-1], -1), raw_dtype=t)
         else:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(value, t), raw_dtype=t)
     if rope.get("rope_type") == "llama3":

@@ -65,7 +65,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             num_experts=6,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
+            shared_expert_intermediate_size=64,
             norm_topk_prob=False,
         ),
     ),
@@ -76,7 +76,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             sliding_window=None,
             num_local_experts=4,
             num_experts_per_tok=2,
-            intermediate_size=48,
+            intermediate_size=64,
         ),
     ),
 }

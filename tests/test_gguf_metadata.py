@@ -115,7 +115,8 @@ CASES = {
     ),
     "architecture-array": (
         {"general.architecture": ([1, 2], V.ARRAY)},
-        r"has architecture an array of 2 values; conveyor loads llama, qwen2, qwen3 GGUF files\.",
+        r"has architecture an array of 2 values; conveyor loads llama, qwen2, qwen3, qwen3moe, "
+        r"qwen2moe GGUF files\.",
     ),
     "rope_scaling_type-number": (
         {"{arch}.rope.scaling.type": (3, U32)},

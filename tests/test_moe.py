@@ -6,6 +6,7 @@ tensor-parallel split in tests/test_tensor_parallel.py."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -110,3 +111,72 @@ def test_bfloat16_mixture_of_experts_is_close_to_transformers_bf16(
                        use_tqdm=False)  # fmt: skip
     diverged = check_logprobs_close(got, _transformers_bf16(path, prompts, [12] * len(prompts)))
     assert diverged <= len(prompts) // 2, diverged
+
+
+@pytest.fixture(scope="module", params=["qwen3-moe", "qwen2-moe", "mixtral"])
+def moe_gguf(request, tmp_path_factory, tiny_tokenizer_dir):
+    from gguf import GGMLQuantizationType as QType
+    from tests.gguf_files import write_gguf
+
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    hf_dir = write_checkpoint(root / "hf", family, tiny_tokenizer_dir)
+    files = {q: write_gguf(hf_dir, root / f"{q.name}.gguf", q) for q in (QType.F32, QType.Q8_0)}
+    rng = random.Random(13)
+    vocab = transformers.AutoConfig.from_pretrained(hf_dir).vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(3, 30))] for _ in range(4)]
+    return hf_dir, files, prompts
+
+
+def test_a_mixture_of_experts_gguf_file_holds_greedy_parity_with_its_checkpoint(moe_gguf):
+    from gguf import GGMLQuantizationType as QType
+
+    hf_dir, files, prompts = moe_gguf
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    expected = greedy_reference(hf, prompts, [12] * len(prompts))
+    llm = LLM(str(files[QType.F32]), num_kv_blocks=64, dtype="float32")
+    assert llm.llm_engine.runner.model.config.num_experts > 0
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_quantized_gguf_experts_stay_quantized_and_are_close_to_the_file_dequantized(moe_gguf):
+    from gguf import GGMLQuantizationType as QType
+
+    from conveyor.model.cpu import cpu_kernels
+    from conveyor.model.cpu.quant_linear import QuantLinear
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C kernels here")
+    _, files, prompts = moe_gguf
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
+    runs = {}
+    for backend in ("auto", "onednn"):
+        llm = LLM(str(files[QType.Q8_0]), num_kv_blocks=64, dtype="float32",
+                  linear_backend=backend)  # fmt: skip
+        blocks = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, MoEBlock)]
+        assert blocks
+        expert_linears = [type(e.gate_up_proj) for b in blocks for e in b.experts]
+        assert set(expert_linears) == ({QuantLinear} if backend == "auto" else
+                                       set(expert_linears) - {QuantLinear})  # fmt: skip
+        runs[backend] = llm.generate(prompts, params, use_tqdm=False)
+    check_logprobs_close(runs["auto"], runs["onednn"])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("expert_used_count", 99, "expert_used_count is 99; it must be an integer from 1 to 8"),
+        ("expert_count", 7, "has shape [8, 32, 64]; with qwen3moe.expert_count 7"),
+    ],
+)
+def test_bad_expert_metadata_is_one_clear_error(key, value, message, tmp_path, tiny_tokenizer_dir):
+    from gguf import GGMLQuantizationType as QType
+    from gguf import GGUFValueType
+    from tests.gguf_files import write_gguf
+
+    hf_dir = write_checkpoint(tmp_path / "hf", "qwen3-moe", tiny_tokenizer_dir)
+    bad = write_gguf(hf_dir, tmp_path / "bad.gguf", QType.F32,
+                     metadata={f"{{arch}}.{key}": (value, GGUFValueType.UINT32)})  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(str(bad), num_kv_blocks=16)

@@ -36,6 +36,7 @@ import torch
 
 from conveyor.model.cpu.quant_linear import QUANT_TYPES, QuantTensor
 from conveyor.model.loading.finite_weights import check_gguf_tensor
+from conveyor.model.loading.gguf_experts import gguf_expert_config, split_experts
 from conveyor.model.loading.gguf_file import GGUFFile
 from conveyor.model.loading.gguf_metadata import check_gguf_metadata, describe
 from conveyor.model.models import FAMILIES
@@ -56,6 +57,8 @@ GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_
 GGUF_TYPES += ("Q6_K",)
 
 _ROPE_FREQS = "rope_freqs.weight"  # read into the config, not a weight
+# llama.cpp writes Mixtral as a `llama` file with experts.
+_WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,7 +109,7 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
                 f"dequantize; supported types: {', '.join(GGUF_TYPES)}. Convert the file with "
                 "llama.cpp's llama-quantize to one of them."
             )
-        if len(tensor.shape) == 2:
+        if len(tensor.shape) >= 2:
             types[name] = types.get(name, 0) + 1
     gguf = GGUF_NAMES[arch]
     names = {gguf.hf_name(t.name) for t in reader.tensors}
@@ -129,6 +132,11 @@ def read_gguf_config(file: str | os.PathLike[str]) -> dict[str, Any]:
         and "model.layers.0.self_attn.q_proj.bias" in names,
         "dtype": _dtype_name(types),
     }
+    experts = gguf_expert_config(file, reader, arch, shape.hidden_size)
+    if experts:
+        config.update(experts)
+        if arch in _WITH_EXPERTS:
+            config["architectures"] = [_WITH_EXPERTS[arch]]
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if not isinstance(scaling, (str, type(None))):
         raise ValueError(
@@ -194,13 +202,20 @@ def iter_gguf_tensors(
             continue
         check_gguf_tensor(file, tensor)  # NaN or inf: refused, named (finite_weights.py)
         qtype = tensor.tensor_type.name
-        quantized = keep_quantized and qtype in QUANT_TYPES and len(tensor.shape) == 2
+        experts = len(tensor.shape) == 3  # [E, rows, cols]: one weight per expert
+        quantized = keep_quantized and qtype in QUANT_TYPES and len(tensor.shape) - experts == 2
         # copy=True: never alias the read-only memory map (it is closed after the load).
         if quantized:  # the rows' bytes as they are: [rows, row bytes]
             values = np.array(tensor.data, np.uint8, copy=True)
         else:  # dequantize returns float32
             values = np.array(dequantize(tensor.data, tensor.tensor_type), np.float32, copy=True)
         reader.drop_pages(tensor)  # copied: the file's pages need not stay resident
+        per_expert = split_experts(tensor.name, values, gguf.experts) if gguf.experts else None
+        if experts and per_expert is not None:
+            for name, part in per_expert:
+                data = torch.from_numpy(part)
+                yield name, QuantTensor(qtype, data, tensor.shape[1:]) if quantized else data
+            continue
         name = gguf.hf_name(tensor.name)
         module = name.split(".")[-2] if name.startswith("model.layers.") else ""
         if gguf.permuted_qk and module in heads:

@@ -49,6 +49,7 @@ LLAMA_GGUF = GGUFNames(
         "ffn_gate": "mlp.gate_proj",
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
+        "ffn_gate_inp": "mlp.gate",  # Mixtral's router (its files are `llama` ones)
     },
     global_names={
         "token_embd": "model.embed_tokens",
@@ -57,6 +58,7 @@ LLAMA_GGUF = GGUFNames(
     },
     permuted_qk=True,
     bias_from_tensors=True,
+    experts="mlp.experts.{e}",  # Mixtral's blk.N.ffn_*_exps
 )
 
 LLAMA = FamilySpec(

@@ -12,10 +12,20 @@ from conveyor.model.loading.model_config import ModelConfig
 from conveyor.model.models.llama import Qwen3ForCausalLM
 from conveyor.model.models.moe import MoEBlock
 
+_MOE_LAYER_NAMES = {"ffn_gate_inp": "mlp.gate"}  # llama.cpp's name of the router
+_QWEN3_GGUF = Qwen3ForCausalLM.SPEC.gguf
+
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     SPEC = dataclasses.replace(
-        Qwen3ForCausalLM.SPEC, architectures=("Qwen3MoeForCausalLM",), gguf=None
+        Qwen3ForCausalLM.SPEC,
+        architectures=("Qwen3MoeForCausalLM",),
+        gguf=dataclasses.replace(
+            _QWEN3_GGUF,  # type: ignore[arg-type]
+            architecture="qwen3moe",
+            layer_names={**_QWEN3_GGUF.layer_names, **_MOE_LAYER_NAMES},  # type: ignore[union-attr]
+            experts="mlp.experts.{e}",
+        ),
     )
 
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module | None:

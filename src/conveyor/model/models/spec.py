@@ -46,6 +46,9 @@ class GGUFNames:
     permuted_qk: bool = False
     # config.json's attention_bias: whether the file has a q_proj bias (else False).
     bias_from_tensors: bool = False
+    # A mixture of experts: the HF module of expert {e}, which each 3-D blk.N.ffn_*_exps
+    # tensor is split into (model/loading/gguf_experts.py); None: a dense family.
+    experts: str | None = None
 
     def hf_name(self, name: str) -> str:
         """The HF name of a GGUF tensor name (unchanged if it is none of ours)."""
