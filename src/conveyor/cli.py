@@ -212,7 +212,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
-    from conveyor.bench.serve import add_arguments
+    from conveyor.load_client.serve import add_arguments
 
     parser = commands.add_parser("bench", help="benchmarks (`conveyor bench serve`)")
     benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -228,7 +228,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from conveyor.bench.serve import main as bench_main
+    from conveyor.load_client.serve import main as bench_main
 
     return bench_main(args)
 
