@@ -29,13 +29,7 @@ _USER_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 def apply_omp_wait_default(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Put DEFAULT_OMP_ENV into `environ` unless the user set OMP_WAIT_POLICY or
-    GOMP_SPINCOUNT.
-
-    Args:
-        environ: the environment to complete (the process's own by default).
-    Returns:
-        True if the default was applied, False if the user's choice was kept.
-    """
+    GOMP_SPINCOUNT; whether it did."""
     if any(name in environ for name in _USER_KNOBS):
         return False
     environ.update(DEFAULT_OMP_ENV)
