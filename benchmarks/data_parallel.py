@@ -28,8 +28,8 @@ import subprocess
 
 import httpx
 
-from conveyor.bench.serve import BenchRequest, add_arguments, bench, run
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client.serve import BenchRequest, add_arguments, bench, run
+from conveyor.load_client.sibling import load_sibling
 
 side_by_side = load_sibling(__file__, "side_by_side")
 serve = load_sibling(__file__, "serve")

@@ -81,7 +81,7 @@ import numpy as np
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client.sibling import load_sibling
 from conveyor.model.cpu.linear import CpuLinear
 from conveyor.model.cpu.quant_linear import QuantLinear
 from conveyor.model.loading.loader import storage_bytes

@@ -46,7 +46,7 @@ import conveyor  # noqa: F401  (its OpenMP wait policy, set before torch loads l
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client.sibling import load_sibling
 
 PROMPT = "The capital of France is"
 # what is timed a step, by its key in a side's record: the label it is reported under

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client.sibling import load_sibling
 
 side_by_side = load_sibling(__file__, "side_by_side")
 

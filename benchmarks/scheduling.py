@@ -44,9 +44,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.serve import require_matplotlib
 from conveyor.core.policies import available_policies
 from conveyor.core.scheduler import Scheduler
+from conveyor.load_client.serve import require_matplotlib
 from conveyor.simulator import RequestTimeline, SimulationResult, StepCost, format_table, simulate
 from conveyor.simulator.trace import TraceRequest, synthetic_trace
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.serve import (
+from conveyor.load_client.serve import (
     BenchRequest,
     add_arguments,
     bench,
@@ -52,7 +52,7 @@ from conveyor.bench.serve import (
     run,
     workload,
 )
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client.sibling import load_sibling
 
 ROOT = Path(__file__).resolve().parents[1]
 side_by_side = load_sibling(__file__, "side_by_side")

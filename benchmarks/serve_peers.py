@@ -39,9 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from conveyor.bench import serve as bench_serve
-from conveyor.bench.serve import BenchRequest
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client import serve as bench_serve
+from conveyor.load_client.serve import BenchRequest
+from conveyor.load_client.sibling import load_sibling
 
 serve_bench = load_sibling(__file__, "serve")
 

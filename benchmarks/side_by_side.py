@@ -51,7 +51,7 @@ import torch
 import transformers
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client.sibling import load_sibling
 from conveyor.model.loading.demo import demo_model_path
 
 throughput = load_sibling(__file__, "throughput")

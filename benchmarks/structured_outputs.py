@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client.sibling import load_sibling
 
 side_by_side = load_sibling(__file__, "side_by_side")
 

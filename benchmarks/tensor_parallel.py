@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client.sibling import load_sibling
 
 throughput = load_sibling(__file__, "throughput")
 side_by_side = load_sibling(__file__, "side_by_side")

@@ -180,13 +180,11 @@ def _reduce_splits_kernel(
 def _tiling(
     group: int, max_query_len: int, dtype: torch.dtype, quant: bool = False
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps), timed on an H200 (benchmarks/attention.py
-    --tile-sweep, Llama-8B heads, bf16, docs/kernels.md). Decode: 16 rows (tl.dot's minimum)
-    x 64 keys on 4 warps, 87 % of the HBM peak at batch 64 x 4k context (16 keys: 53 %; 8 warps
-    or 128 keys: slower); an int8 cache 16 x 128 (37 % of the peak counted in int8 bytes,
-    against 28 % at 64 keys: the dequantisation wants longer tiles). With prefill chunks:
-    64 x 64 on 4 warps (1.6x the 64 x 32 on 8 warps first picked from register counts). fp32
-    keeps 32 x 16 (wider tiles spill)."""
+    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps), as `benchmarks/attention.py --tile-sweep`
+    picked them on an H200 (docs/kernels.md#tiles-timed-on-an-h200-2026-12-04). Decode: 16
+    rows (tl.dot's minimum) x 64 keys on 4 warps; an int8 cache 16 x 128 (its dequantisation
+    wants longer tiles). With prefill chunks: 64 x 64 on 4 warps. fp32 keeps 32 x 16 (wider
+    tiles spill)."""
     if max_query_len == 1:
         rows, tile_n, warps = 16, 128 if quant else 64, 4
     elif dtype == torch.float32:

@@ -2,10 +2,10 @@
 add fused in, the rotary embedding in place, and SiLU(gate) * up.
 
 In plain torch a bf16 RMSNorm is about nine kernels (add, upcast, square, mean, rsqrt, ...),
-the rotary embedding seven and the MLP's activation two. A decode step of a small model is
-made of such kernels: on an H200 a Qwen2.5-0.5B decode forward replayed from a CUDA graph took
-1.9 ms at batch 1, most of it the fixed cost of ~36 kernels per layer, against 0.2 ms of weight
-reads. These kernels cut that to ~10 per layer.
+the rotary embedding seven and the MLP's activation two. A small model's decode step is made
+of such kernels: replayed from a CUDA graph, its time at batch 1 is mostly the fixed cost of
+~36 kernels per layer, not its weight reads. These kernels cut that to ~10 per layer
+(docs/benchmarks.md#decoding-end-to-end-cuda-graphs-and-fused-kernels).
 
 The arithmetic follows the torch modules (models/layers.py), which follow transformers, in
 fp32 with the same roundings to the model's dtype: the sum x + residual is rounded before it is

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client.sibling import load_sibling
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 bench = load_sibling(str(BENCHMARKS / "linear_bf16.py"), "linear_bf16")

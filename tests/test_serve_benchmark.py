@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.bench.sibling import load_sibling
+from conveyor.load_client.sibling import load_sibling
 
 serve = load_sibling(str(Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"), "serve")
 

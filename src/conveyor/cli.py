@@ -43,7 +43,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         description="Complete each PROMPT with continuous batching and print the results.",
     )
     parser.add_argument("prompts", metavar="PROMPT", nargs="+", help="prompt text")
-    parser.add_argument("--model", default=None, help="HF checkpoint folder (default: demo)")
+    parser.add_argument(
+        "--model", metavar="PATH", help="HF checkpoint folder or .gguf file (default: demo)"
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
@@ -83,8 +85,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API (demo model without --model)",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
-        "/metrics, /tokenize and /detokenize. Settings come from the built-in defaults, then "
+        description="Serve /v1/completions, /v1/chat/completions, /v1/responses, "
+        "/v1/embeddings, /v1/models, /health, /metrics, /tokenize and /detokenize. Settings "
+        "come from the built-in defaults, then "
         "--config FILE, then these flags. SIGTERM or Ctrl-C stops admitting requests, lets "
         "in-flight ones finish for --shutdown-timeout seconds, then aborts the rest.",
     )
@@ -212,7 +215,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
-    from conveyor.bench.serve import add_arguments
+    from conveyor.load_client.serve import add_arguments
 
     parser = commands.add_parser("bench", help="benchmarks (`conveyor bench serve`)")
     benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -228,7 +231,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from conveyor.bench.serve import main as bench_main
+    from conveyor.load_client.serve import main as bench_main
 
     return bench_main(args)
 

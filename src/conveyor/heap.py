@@ -3,9 +3,8 @@
 Loading a model and building a tokenizer make many short-lived objects: a GGUF file's
 metadata arrays and token lists, the conversions of its tensors, the tokenizer's vocabulary
 and merges as Python strings. glibc keeps the memory they freed in its heap for later
-allocations, so it stays resident: measured on 2026-12-03, 63 MiB of an engine process
-that had loaded a 1.1B Q4_K_M file and 28 MiB of an HTTP process that had built SmolLM2's
-GGUF tokenizer. malloc_trim(0) returns the free pages inside the heap, not just its top.
+allocations, so it stays resident: tens of MiB a process (docs/kernels.md#measured-choices).
+malloc_trim(0) returns the free pages inside the heap, not just its top.
 The server calls this once each process is built (server/launch.py, entrypoints/engine_child.py).
 """
 

@@ -5,9 +5,8 @@ run in OpenMP parallel regions. Between regions libgomp's idle threads spin, by 
 300000 times (a few ms) before they sleep. A decode step is hundreds of short regions, so on
 a machine whose cores other processes also want, the spinning threads burn the time slices
 the working thread needs. PASSIVE (sleep at once) costs a wake-up per region on a quiet
-machine; a short spin, GOMP_SPINCOUNT=10000 (~0.1 ms), keeps quiet-machine speed and gives the
-cores back when other jobs want them (benchmarks/omp_wait.py measures all of them;
-docs/benchmarks.md has the numbers).
+machine; a short spin, GOMP_SPINCOUNT=10000, keeps quiet-machine speed and gives the cores
+back when other jobs want them (benchmarks/omp_wait.py; docs/kernels.md#measured-choices).
 
 libgomp reads the variables once, when it loads (with `import torch`), so this runs when the
 `conveyor` package is imported: before torch if the user's script imports conveyor first,
@@ -30,13 +29,7 @@ _USER_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 def apply_omp_wait_default(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Put DEFAULT_OMP_ENV into `environ` unless the user set OMP_WAIT_POLICY or
-    GOMP_SPINCOUNT.
-
-    Args:
-        environ: the environment to complete (the process's own by default).
-    Returns:
-        True if the default was applied, False if the user's choice was kept.
-    """
+    GOMP_SPINCOUNT; whether it did."""
     if any(name in environ for name in _USER_KNOBS):
         return False
     environ.update(DEFAULT_OMP_ENV)

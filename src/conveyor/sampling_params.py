@@ -37,14 +37,10 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 def sample_seed(seed: int, index: int) -> int:
-    """The generator seed of sample `index` of a request seeded with `seed`.
-
-    A hash (blake2b of both as signed 64-bit integers), not `seed + index`: that overflows
-    the seed's range at 2^63 - 1 and makes sample 1 of seed s sample 0 of seed s + 1.
-    Returns an unsigned 64-bit integer (what torch.Generator.manual_seed takes). torch's CPU
-    generator keeps only its low 32 bits, so two different seeds share a stream with
-    probability 2^-32 (raw seeds alias whenever they agree mod 2^32: -1 and 2^63 - 1).
-    """
+    """The generator seed (unsigned 64-bit) of sample `index` of a request seeded with `seed`:
+    a hash, not `seed + index`, which overflows at 2^63 - 1 and makes sample 1 of seed s
+    sample 0 of seed s + 1. torch's CPU generator keeps the low 32 bits, so two seeds share a
+    stream with probability 2^-32 (raw seeds would whenever they agree mod 2^32)."""
     packed = struct.pack("<qq", seed, index)
     digest = hashlib.blake2b(packed, digest_size=8, person=b"conveyor-seed").digest()
     return int.from_bytes(digest, "little")

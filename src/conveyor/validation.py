@@ -38,26 +38,14 @@ def check_int(
 
 
 def check_positive_int(name: str, value: object) -> None:
-    """An integer >= 1 (a bool is not one).
-
-    Raises:
-        ValueError: not a positive integer.
-    """
+    """ValueError unless `value` is an integer >= 1 (a bool is not one)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
 def check_number(name: str, value: object, rule: str, ok: Callable[[float], bool]) -> None:
-    """An int or float (a bool is not one, NaN never passes) for which `ok` holds.
-
-    Args:
-        name: the field.
-        value: what the user gave.
-        rule: what `ok` accepts, in words: "in (0, 1]", "> 0 (inf turns aging off)".
-        ok: the range test, called only on a number that is not NaN.
-    Raises:
-        ValueError: not a number, NaN, or rejected by `ok`.
-    """
+    """ValueError unless `value` is an int or float (not a bool, not NaN) that `ok` accepts;
+    `rule` says in words what `ok` accepts ("in (0, 1]")."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}.")
     if value != value or not ok(value):  # value != value: NaN, which no range holds
@@ -65,11 +53,7 @@ def check_number(name: str, value: object, rule: str, ok: Callable[[float], bool
 
 
 def check_choice(name: str, value: object, allowed: Iterable[object]) -> None:
-    """One of `allowed` (compared with ==).
-
-    Raises:
-        ValueError: anything else; the message lists the choices.
-    """
+    """ValueError, listing the choices, unless `value` is one of `allowed` (==)."""
     allowed = tuple(allowed)
     if value not in allowed:
         choices = ", ".join(str(a) for a in allowed)

@@ -39,7 +39,7 @@ class EngineConfig:
         "Hugging Face checkpoint folder or .gguf file",
         section=MODEL,
         unset="the embedded demo model",
-        flag={"metavar": "DIR"},
+        flag={"metavar": "PATH"},
     )
     tokenizer: str | None = setting(
         None, "tokenizer folder", section=MODEL, unset="the model's", flag={"metavar": "DIR"}

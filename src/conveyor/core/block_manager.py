@@ -58,21 +58,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
-    """The chained hash of one full block: sha256(parent hash + its token ids as int64).
-
-    A cryptographic hash, so that no client can build a prompt whose block collides with
-    another client's (Python's hash() of ints can be collided on purpose).
-    """
+    """sha256(parent hash + the block's token ids as int64): cryptographic, so no client can
+    build a block that collides with another client's (Python's hash() can be collided)."""
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 def root_hash(cache_salt: str | None) -> bytes:
-    """The parent of a request's first block: the root, or the root hashed with its salt.
-
-    The salted root hashes the root, a separator and the salt: short of a sha256 collision,
-    no block's hash equals it, since after the root a block's bytes are int64 token ids and
-    the separator's first 8 bytes read as one above 2^56, far outside any vocabulary.
-    """
+    """The parent of a request's first block: the root, or the root hashed with a separator
+    and the salt (no block hashes the same: the separator's first 8 bytes, read as an int64
+    token id, are above 2^56, far outside any vocabulary)."""
     if cache_salt is None:
         return _ROOT_HASH
     salt = cache_salt.encode("utf-8", "surrogatepass")  # any str: a lone surrogate too
@@ -310,10 +304,7 @@ class BlockManager:
         return n
 
     def get_block_table(self, request_id: str) -> list[int]:
-        """The request's block table (logical -> physical block id); empty if it holds none.
-
-        The list is the live table: do not mutate it. It only grows by appends while the
-        request keeps its blocks, so a copy is not needed to read one step's table.
-        """
+        """The request's live block table (logical -> physical id; empty if none): read it,
+        never mutate it (it only grows by appends, so one step's read needs no copy)."""
         table = self.block_tables.get(request_id)
         return [] if table is None else table

@@ -41,7 +41,7 @@ class SequenceStatus(enum.IntEnum):
 
 
 # Module constants for the per-step paths: reading a member off the enum class goes through
-# EnumType.__getattr__'s slow attribute hook (~0.2 us in CPython 3.11), a global does not.
+# EnumType.__getattr__'s slow attribute hook, a global does not.
 _FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED
 
 _FINISH_REASONS = {

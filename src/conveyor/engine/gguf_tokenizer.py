@@ -1,7 +1,7 @@
 """A GGUF file's tokenizer, built without importing torch.
 
 transformers builds the tokenizer of a GGUF file (`PreTrainedTokenizerFast.from_pretrained(
-..., gguf_file=...)`) with its own GGUF reader, which imports torch: 200 MB more memory in
+..., gguf_file=...)`) with its own GGUF reader, which imports torch: hundreds of MB more in
 the HTTP server process, which holds a tokenizer and never runs the model. Here the metadata
 comes from conveyor's reader (model/loading/gguf_file.py, numpy only) in the shape transformers'
 reader gives it (numbers as lists, a string array other than the vocabulary and the merges

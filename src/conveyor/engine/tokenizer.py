@@ -180,15 +180,9 @@ class Tokenizer:
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
-    """Chat messages as every chat template gets them, checked.
-
-    Each message is a dict with a `role` string and a `content` that is a string, None (or
-    absent), or a list of {"type": "text", "text": ...} parts, which are joined with newlines;
-    other keys (name, tool_calls, ...) pass through. Role `developer` becomes `system`.
-
-    Raises:
-        ValueError: not a non-empty list of such dicts; the message says which one and why.
-    """
+    """Chat messages as every chat template gets them: each a dict with a `role` and a
+    `content` (a string, None or absent, or text parts, joined with newlines); other keys pass
+    through; `developer` becomes `system`. ValueError names the first bad message and why."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(
             "messages must be a non-empty list of {'role': ..., 'content': ...} dicts; "

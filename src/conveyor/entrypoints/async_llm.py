@@ -167,14 +167,12 @@ class AsyncLLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
-        """Build from a ready EngineConfig (kwargs: served_model_name, log_stats_interval_s,
-        max_waiting_requests)."""
+        """Build from a ready EngineConfig (kwargs: the other arguments of __init__)."""
         return cls(config=config, **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start the engine thread; outputs go to the running event loop (generate() also
-        starts it)."""
+        """Start the engine thread, outputs to the running loop (generate() does it too)."""
         self._ensure_started()
 
     def _ensure_started(self) -> None:
@@ -263,15 +261,9 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ requests
     def check_admission(self, num_seqs: int = 1) -> None:
-        """Refuse new work while the waiting queue is full (call before generate()).
-
-        Args:
-            num_seqs: sequences the new request(s) would add (n per prompt).
-        Raises:
-            EngineOverloadedError: more than `max_waiting_requests` would wait. A request
-                that finds the queue empty is always admitted, whatever its size.
-            EngineNotRunningError: the engine is dead or shutting down.
-        """
+        """Before generate(): EngineOverloadedError if `num_seqs` more sequences would make
+        more than `max_waiting_requests` wait (an empty queue admits any size),
+        EngineNotRunningError if the engine is dead or shutting down."""
         self.check_health()
         waiting = self.num_waiting_seqs
         if waiting and waiting + num_seqs > self.max_waiting_requests:
@@ -350,11 +342,7 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """End a request with finish_reason "abort" and free its blocks; its stream gets a
-        final output. Unknown or finished ids are ignored.
-
-        Args:
-            request_id: the id given to (or made by) generate().
-        """
+        final output. Unknown or finished ids are ignored."""
         self._abort_soon(request_id, abandoned=False)
 
     def abort_open(self, request_ids: Sequence[str]) -> None:

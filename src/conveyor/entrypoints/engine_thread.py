@@ -18,8 +18,8 @@ building thread): libgomp keeps a pool of OpenMP workers for every thread that s
 parallel regions, and once two pools exist in a process with as many workers as cores, it
 counts the machine as oversubscribed and lets idle workers spin a throttled ~1,000 times
 instead of GOMP_SPINCOUNT before they sleep, so each of a step's hundreds of parallel
-regions pays a futex wake-up. Measured on 2 cores, SmolLM2-135M Q4_1, one stream: 14-15 ms
-a token stepped from a second thread, 4.3 ms from the thread that loaded the weights.
+regions pays a futex wake-up: a token takes two to three times as long
+(docs/kernels.md#measured-choices).
 """
 
 from __future__ import annotations

@@ -65,9 +65,7 @@ class LLM:
             raise ValueError("this LLM was shut down; create a new LLM to generate again.")
 
     def get_metrics(self) -> list[Metric]:
-        """The engine's counters (tokens, preemptions, prefix-cache queries and hits) and
-        gauges (running, waiting, KV cache usage), named as the server's /metrics names them.
-        """
+        """The engine's counters and gauges, named as the server's /metrics names them."""
         return self.llm_engine.get_metrics()
 
     def get_tokenizer(self):

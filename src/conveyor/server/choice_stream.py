@@ -57,11 +57,8 @@ class ChunkEvents:
 
 
 def usage_flags(opts: StreamOptions | None) -> tuple[bool, bool]:
-    """Whether a stream ends with usage, and whether every choice event carries it too.
-
-    Returns:
-        (include_usage, continuous_usage); continuous usage needs include_usage, as in vLLM.
-    """
+    """(include_usage, continuous_usage): whether a stream ends with usage, and whether every
+    choice event carries it too (only with include_usage, as in vLLM)."""
     if opts is None or not opts.include_usage:
         return False, False
     return True, bool(opts.continuous_usage_stats)

@@ -96,12 +96,8 @@ class ServingContext:
             )
 
     def admit(self, n: int, num_prompts: int = 1) -> None:
-        """Admission control before anything is queued.
-
-        Raises:
-            APIError: a request larger than the server's caps (400, see check_size).
-            EngineOverloadedError: the waiting queue is full (503 with Retry-After).
-        """
+        """Admission before anything is queued: APIError (400) over the server's caps,
+        EngineOverloadedError (503 with Retry-After) while the waiting queue is full."""
         self.check_size(n, num_prompts)
         self.engine.check_admission(n * num_prompts)
 
@@ -150,11 +146,7 @@ class ServingContext:
         self, prompt: str | list[int], add_special_tokens: bool = True
     ) -> list[int]:
         """Token ids of a text or token-id prompt (check_fits rejects an empty one); long text
-        is tokenized off the event loop.
-
-        Raises:
-            APIError: text too long for the model's context.
-        """
+        is tokenized off the event loop, text too long for the context is an APIError."""
         if not isinstance(prompt, str):
             return prompt
         self.check_text_length(len(prompt), "prompt")
@@ -173,13 +165,8 @@ class ServingContext:
     def reasoning(
         self, template_kwargs: dict[str, Any] | None, chat_template: str | None = None
     ) -> ReasoningParser | None:
-        """The reasoning parser of a chat request: the server's, unless the request turned
-        thinking off through a variable its template reads (`thinking_disabled`).
-
-        Args:
-            template_kwargs: the request's chat_template_kwargs.
-            chat_template: the request's own template (None: the tokenizer's).
-        """
+        """The reasoning parser of a chat request: the server's, unless its chat_template_kwargs
+        turned thinking off through a variable its template (None: the tokenizer's) reads."""
         if self.reasoning_parser is None:
             return None
         source = chat_template or self.template_source({})
@@ -289,13 +276,8 @@ class ServingContext:
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams, what: str) -> None:
         """400 unless the prompt can run: the engine's check with strict=True, so a max_tokens
-        beyond the model's context is refused (as in vLLM), not clamped.
-
-        Args:
-            prompt_ids: the prompt.
-            params: the request's sampling parameters (max_tokens as requested).
-            what: "prompt" or "messages": the `param` of an error about the prompt.
-        """
+        beyond the model's context is refused (as in vLLM), not clamped. `what` ("prompt" or
+        "messages") is the `param` of an error about the prompt."""
         try:
             self.engine.check_prompt(prompt_ids, params, strict=True)
         except PromptError as exc:

@@ -21,7 +21,8 @@ request's whole render.
 Checking output constraints (compiling a schema to a grammar) runs in a pool of its own,
 `schema_pool` (one thread): schemas are a client's to choose, and however many arrive they
 queue behind one another, never in front of another request's chat template or tokenizing
-(twenty 2.5 s schemas in the shared pool once held a one-token chat request for 48 s).
+(in the shared pool, twenty schemas once held a one-token chat request for most of a minute:
+docs/benchmarks.md#structured-output-attacks).
 """
 
 from __future__ import annotations

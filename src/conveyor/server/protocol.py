@@ -62,7 +62,8 @@ class OpenAIModel(BaseModel):
     @classmethod
     def _many_unknown_fields(cls, value: Any) -> Any:
         """A request model that refuses unknown fields refuses many of them in one error:
-        pydantic builds one error each (600,000 keys: ~4 s on the event loop, ~700 MB)."""
+        pydantic builds one error each: seconds on the event loop and hundreds of MB for a
+        body of many keys (docs/benchmarks.md#responses-store-attacks)."""
         if (
             isinstance(value, dict)
             and len(value) > len(cls.model_fields) + _MANY_UNKNOWN

@@ -142,17 +142,9 @@ def thinking_disabled(template_kwargs: dict[str, Any] | None, template_source: s
 
 
 def detect_reasoning_parser(template: str | None, generation_prompt: str | None) -> str | None:
-    """The reasoning parser a chat template calls for, None when it knows no thinking.
-
-    Args:
-        template: the chat template's text.
-        generation_prompt: what add_generation_prompt adds to a one-message chat (None: it
-            could not be rendered).
-    Returns:
-        "deepseek_r1" when the generation prompt leaves a `<think>` open (the answer starts
-        inside its thinking), "qwen3" when the template otherwise names the tags (the answer
-        has thinking only where it opens it), None without them.
-    """
+    """The reasoning parser a chat template calls for: "deepseek_r1" when its generation
+    prompt (what add_generation_prompt adds to a one-message chat; None: not renderable)
+    leaves a `<think>` open, "qwen3" when the template otherwise names the tags, else None."""
     if not template or (THINK_OPEN not in template and THINK_CLOSE not in template):
         return None
     if generation_prompt is not None:

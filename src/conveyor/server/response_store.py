@@ -114,11 +114,7 @@ class ResponseStore:
         return entry
 
     def get(self, response_id: str, owner: bytes) -> bytes:
-        """The stored response object's JSON.
-
-        Raises:
-            APIError: 404, no such entry of `owner`'s.
-        """
+        """The stored response object's JSON; APIError 404 if `owner` has no such entry."""
         return self._entry(response_id, owner).response
 
     def delete(self, response_id: str, owner: bytes) -> None:

@@ -1,10 +1,11 @@
 """Fast SSE events for streamed completions and chat completions, byte-identical to `sse()`.
 
-Building the pydantic chunk models and dumping them with `exclude_unset=True` cost about
-10 µs per streamed token, on the event-loop thread every stream shares. Here a request's
-constant head (`data: {"id":…,"object":…,"created":…,"model":…,"choices":[`) is rendered
-once, by pydantic itself, and each event only encodes its choice with `json`: strings the
-way pydantic writes them (no spaces, non-ASCII kept, the same escapes), ints, null.
+Building the pydantic chunk models and dumping them with `exclude_unset=True` cost about ten
+times as much per streamed token as this module (docs/kernels.md#measured-choices), on the
+event-loop thread every stream shares. Here a request's constant head (`data: {"id":…,
+"object":…,"created":…,"model":…,"choices":[`) is rendered once, by pydantic itself, and each
+event only encodes its choice with `json`: strings the way pydantic writes them (no spaces,
+non-ASCII kept, the same escapes), ints, null.
 
 Anything else goes through the models and `sse()`: a choice with logprobs (pydantic writes
 floats its own way: 1e-05 as 0.00001, inf as null) or a value of another type than the

@@ -104,14 +104,8 @@ class TenantSalt:
 
 
 def tenant_salt(source: str | None, num_api_keys: int) -> TenantSalt | None:
-    """Where each request's tenant comes from, or None for one cache shared by all.
-
-    Args:
-        source: ServerConfig.cache_salt_from (None: not given).
-        num_api_keys: how many API keys the server accepts.
-    Raises:
-        ValueError: a source that is none of CACHE_SALT_SOURCES.
-    """
+    """Where each request's tenant comes from (`source`: ServerConfig.cache_salt_from), or
+    None for one cache shared by all; ValueError for a source not in CACHE_SALT_SOURCES."""
     if source is None:  # secure by default: several keys are several clients
         return TenantSalt.parse("api-key") if num_api_keys > 1 else None
     return None if source == SHARED else TenantSalt.parse(source)

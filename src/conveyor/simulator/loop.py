@@ -38,8 +38,8 @@ _EOS, _TOKEN = 0, 1
 class StepCost:
     """Seconds one step takes: `base_s + per_token_s * tokens + per_seq_s * seqs`.
 
-    The defaults approximate the demo model on 2 CPU cores (measured: ~5 ms at batch 1, ~7 ms
-    at 16 decode tokens); benchmarks/scheduling.py fits them to measured steps.
+    The defaults approximate the demo model on 2 CPU cores; benchmarks/scheduling.py fits
+    them to measured steps.
     """
 
     base_s: float = 0.005

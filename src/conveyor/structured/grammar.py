@@ -69,15 +69,9 @@ class GrammarTimeoutError(GrammarError):
 
 
 def build_grammar(so: StructuredOutputsParams, where: str | None = None) -> xgr.Grammar:
-    """The xgrammar Grammar of a constraint (tokenizer-independent), its shape checked.
-
-    Args:
-        where: the field messages name (default `structured_outputs.<kind>`).
-    Raises:
-        GrammarError: the schema, regex or grammar is invalid or unsupported, or it allows
-            no finite output or only very long ones (structured/grammar_bounds.py).
-        ConstraintLimitError: it is over a limit of structured/limits.py, checked first.
-    """
+    """The xgrammar Grammar of a constraint (tokenizer-independent), its shape checked:
+    ConstraintLimitError over a limit of structured/limits.py, GrammarError if invalid,
+    unsupported, or allowing no finite output (grammar_bounds.py). Errors name `where`."""
     return build_checked(so, where)[0]
 
 
@@ -176,13 +170,10 @@ def _byte_compiler() -> xgr.GrammarCompiler:
 
 
 def can_start(matcher: xgr.GrammarMatcher, vocab_size: int, search_forced: bool = True) -> bool:
-    """Whether a fresh matcher's grammar allows some output: past the text it forces (a
-    JSON string's opening quote, say), some token is still allowed, or it is complete.
-    Moves the matcher on by that forced text: give it a throwaway one.
-
-    The forced text is searched only where the grammar's shape was checked (`search_forced`):
-    it is then no longer than the shortest output (grammar_bounds.MAX_SHORTEST_OUTPUT at
-    most), where an unchecked grammar's may go on until memory runs out."""
+    """Whether a fresh matcher's grammar allows a token, or is complete, past the text it
+    forces (the matcher moves on: give it a throwaway one). That text is searched only where
+    the grammar's shape was checked (`search_forced`), which bounds it; an unchecked grammar's
+    may go on until memory runs out."""
     forced = matcher.find_jump_forward_string() if search_forced else ""
     if forced and not matcher.accept_string(forced):
         return False

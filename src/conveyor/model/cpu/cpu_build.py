@@ -35,13 +35,17 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 ISA_ENV = "CONVEYOR_CPU_ISA"
@@ -210,6 +214,9 @@ def build() -> Path:
     lib = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if _verified(lib):
         return lib
+    # A first start compiles for seconds before anything else is said: say why.
+    logger.info("Compiling the CPU C kernels for this CPU (once, then cached: several seconds)")
+    start = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
@@ -226,4 +233,5 @@ def build() -> Path:
         for path in (tmp, digest_tmp):
             if os.path.exists(path):
                 os.unlink(path)
+    logger.info("Compiled the CPU C kernels in %.1f s into %s", time.monotonic() - start, lib)
     return lib

@@ -182,9 +182,9 @@ def demo_model_path() -> Path:
     )
     if _is_complete(final):
         return final
-    # Training the BPE and drawing the weights take seconds (~20 s on a busy machine): say
-    # why a first `conveyor serve` is silent meanwhile.
-    logger.info("Building the demo model checkpoint in %s (first run only, about 20 s)", final)
+    # Training the BPE and drawing the weights take seconds: say why a first `conveyor serve`
+    # is silent meanwhile.
+    logger.info("Building the demo model checkpoint in %s (first run only, a few seconds)", final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like any download

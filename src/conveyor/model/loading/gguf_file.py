@@ -142,7 +142,7 @@ class GGUFFile:
         """Take `tensor`'s pages out of this process's resident set, once its bytes were
         copied (the page cache keeps them: reading the view again faults them back in).
         Without this the whole file ends up resident on top of the loaded weights by the end
-        of a load (peak RSS 9,450 MiB for a 4,260 MiB Q4_K_M file, 5,200 MiB with it)."""
+        of a load (docs/benchmarks.md#against-llamacpp-on-the-same-gguf-file)."""
         if not hasattr(mmap, "MADV_DONTNEED"):  # not Linux / macOS
             return
         start = tensor.offset - tensor.offset % mmap.PAGESIZE

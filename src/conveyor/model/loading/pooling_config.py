@@ -48,12 +48,8 @@ class PoolingConfig:
     unsupported: str | None = None
 
     def check_request(self, dimensions: int | None) -> str:
-        """The pooling an embedding request of this model gets.
-
-        Raises:
-            ValueError: the model's pooling is not supported (message starts `pooling`), or
-                it cannot give vectors of `dimensions` values (message starts `dimensions`).
-        """
+        """The pooling an embedding request of this model gets; ValueError starting `pooling`
+        (not supported) or `dimensions` (no vectors of that many values) otherwise."""
         if self.pooling_type is None:
             raise ValueError(f"pooling: {self.unsupported}")
         if dimensions is not None:

@@ -116,20 +116,12 @@ def dynamic_ntk_inv_freq(
 ) -> torch.Tensor:
     """Dynamic NTK rope: inverse frequencies per position, [max_position, head_dim // 2].
 
-    Semantics (position-wise): the token at position p is rotated with the base that
-    transformers computes for a sequence of max(p + 1, original) tokens,
-    theta * (factor * len / original - (factor - 1)) ** (d / (d - 2)), so positions inside the
-    original context keep the plain rope. transformers recomputes the base from the longest
-    position of each forward pass and its cache keeps keys rotated as they were written; each
-    decode step's token is at that longest position, so generated tokens and every prompt that
-    fits in the original context get exactly transformers' rotations. A prompt longer than
-    that differs in its own tokens: transformers rotates all of them with the base of the
-    whole prompt, which would make a token's rotation depend on how the prompt was chunked
-    (and so on the server's load). vLLM's variant (one base for factor x the context, also
-    inside the original context) is not what transformers computes for short prompts.
-
-    Args:
-        scaling: {"rope_type": "dynamic", "factor", "original_max_position_embeddings"}.
+    The token at position p is rotated with the base transformers computes for a sequence of
+    max(p + 1, original) tokens, so generated tokens and prompts within the original context
+    get exactly transformers' rotations. A longer prompt's own tokens differ: transformers
+    rotates them all with the whole prompt's base, which would tie a token's rotation to how
+    the prompt was chunked (the server's load). vLLM's one base for factor x the context is
+    not what transformers computes for short prompts. `scaling`: the config's rope_scaling.
     """
     factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim

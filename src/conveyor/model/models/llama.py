@@ -168,7 +168,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, make_attn: Any, make_mlp: Any) -> None:
         super().__init__()
         # No random init: the loader fills it (built under the meta device, whose normal_
-        # would import torch._dynamo and triton: ~150 MB and a second of start-up).
+        # would import torch._dynamo and triton: memory and start-up time for nothing).
         shape = (config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(

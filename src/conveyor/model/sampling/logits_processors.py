@@ -154,8 +154,8 @@ def top_k_top_p(
 ) -> torch.Tensor:
     """Keep each row's top_k tokens, then the smallest set whose probability reaches top_p.
 
-    Works on the rows' best `width` tokens in descending order (a full sort of a 32k vocab
-    is ~10x a top-1024 on CPU):
+    Works on the rows' best `width` tokens in descending order (a full sort of a vocabulary
+    costs many times a top-1024 on CPU):
 
         values: [ l0 >= l1 >= ... >= l(k-1) | >= ... ]     positions >= k are masked
         top_p:  keep position j iff (mass of positions < j) < top_p; j = 0 always stays

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
-from conveyor.bench.client import request, stream_events
+from conveyor.load_client.client import request, stream_events
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""A minimal HTTP/1.1 client on asyncio streams, for the serving benchmark.
+"""A minimal HTTP/1.1 client on asyncio streams, for `conveyor bench serve`.
 
 A general-purpose client (httpx) spends several times the server's own CPU per streamed chunk;
 on a small machine, where client and server share the cores, the benchmark would then measure
