@@ -64,6 +64,7 @@ from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_te
 from conveyor.model.models import FAMILIES
 from conveyor.model.models.layers import use_kernels
 from conveyor.model.models.llama import LlamaForCausalLM
+from conveyor.model.models.moe import use_grouped_gemm
 from conveyor.parallel.sharding import Shard
 
 if TYPE_CHECKING:
@@ -299,6 +300,7 @@ def load_weights(
 
         use_kernels(model, fused)
         logger.info("Norms, rotary and activation: Triton kernels (conveyor.kernels.fused).")
+        use_grouped_gemm(model)
         return model, None
     if s.device.type != "cpu" or s.attention_backend not in ("auto", "cpu"):
         return model, None

@@ -19,6 +19,8 @@ MLP's do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -46,6 +48,26 @@ class MoEBlock(nn.Module):
         shared = config.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(hidden, shared) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
+        # On CUDA: conveyor.kernels.fused_moe over the stacked weights (use_grouped_gemm).
+        self.grouped_gemm: Callable[..., torch.Tensor] | None = None
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+
+    def use_grouped_gemm(self, fused_moe: Callable[..., torch.Tensor]) -> bool:
+        """Run the experts through `fused_moe` (kernels/fused_moe.py) over their weights
+        stacked [E, 2I, H] and [E, H, I]; each expert's weight becomes a view of the stack, so
+        the weights are in memory once. False (nothing changed) where an expert's linears
+        are not plain bias-free nn.Linear (quantized ones, say)."""
+        linears = [m for e in self.experts for m in (e.gate_up_proj, e.down_proj)]
+        if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+            return False
+        self.w13 = torch.stack([e.gate_up_proj.weight.detach() for e in self.experts])
+        self.w2 = torch.stack([e.down_proj.weight.detach() for e in self.experts])
+        for i, expert in enumerate(self.experts):
+            expert.gate_up_proj.weight = nn.Parameter(self.w13[i], requires_grad=False)
+            expert.down_proj.weight = nn.Parameter(self.w2[i], requires_grad=False)
+        self.grouped_gemm = fused_moe
+        return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, experts [T, k] int64)."""
@@ -57,6 +79,9 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
+        if self.grouped_gemm is not None:
+            out = self.grouped_gemm(x, self.w13, self.w2, weights, chosen)
+            return self._add_shared(x, out)
         if not self.weights_in_float:
             weights = weights.to(x.dtype)
         flat = chosen.reshape(-1)
@@ -72,7 +97,20 @@ class MoEBlock(nn.Module):
                 y = self.experts[expert](x[rows]) * slot_weights[start : start + n, None]
                 out.index_add_(0, rows, y.to(out.dtype))
                 start += n
-        if self.shared_expert is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(x))  # type: ignore[misc]
-            out = out + gate * self.shared_expert(x)
-        return out
+        return self._add_shared(x, out)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.shared_expert is None:
+            return out
+        gate = torch.sigmoid(self.shared_expert_gate(x))  # type: ignore[misc]
+        return out + gate * self.shared_expert(x)
+
+
+def use_grouped_gemm(model: nn.Module) -> int:
+    """Put every MoEBlock of `model` (on CUDA) on kernels/fused_moe.py; returns how many."""
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    if not blocks:
+        return 0
+    from conveyor.kernels.fused_moe import fused_moe
+
+    return sum(block.use_grouped_gemm(fused_moe) for block in blocks)
