@@ -122,8 +122,8 @@ def fused_moe(
     check(tuple(w2.shape) == (experts, hidden, two_i // 2), "w2 must be [E, H, I].")
     check(w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need contiguous rows.")
     check(x.dtype == w13.dtype == w2.dtype, "x and the expert weights must share a dtype.")
-    check(topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2
-          and topk_ids.shape[0] == x.shape[0], "topk_ids and topk_weights must be [T, k].")  # fmt: skip
+    same = topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2
+    check(same and topk_ids.shape[0] == x.shape[0], "topk_ids and topk_weights must be [T, k].")
     check(topk_ids.dtype == torch.int64 and topk_weights.dtype == torch.float32,
           "topk_ids must be int64 and topk_weights float32.")  # fmt: skip
     check(len({x.device, w13.device, w2.device, topk_ids.device}) == 1,
