@@ -104,6 +104,7 @@ def main() -> int:
         sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     import conveyor.kernels.attention as attention
     import conveyor.kernels.fused as fused
+    import conveyor.kernels.fused_moe as fused_moe
     import conveyor.kernels.kv_write as kv_write
 
     kernels = [
@@ -113,6 +114,7 @@ def main() -> int:
         (fused, "_rms_norm_kernel"),
         (fused, "_rotary_kernel"),
         (fused, "_silu_mul_kernel"),
+        (fused_moe, "_grouped_gemm_kernel"),
     ]
     for module, name in kernels:
         setattr(module, name, _Capture(getattr(module, name)))
@@ -139,6 +141,10 @@ def main() -> int:
             heads[:, :16]
         )
         fused.silu_mul(torch.zeros(3, 2 * 4864, dtype=dtype))
+        # Qwen3-30B-A3B's widths (hidden 2048, expert 768), 4 of its experts, top-2
+        x, ids = torch.zeros(5, 2048, dtype=dtype), torch.tensor([[0, 1], [2, 3]] * 2 + [[1, 2]])
+        fused_moe.fused_moe(x, torch.zeros(4, 1536, 2048, dtype=dtype),
+                            torch.zeros(4, 2048, 768, dtype=dtype), torch.ones(5, 2), ids)  # fmt: skip
     seen = set()
     for module, name in kernels:
         capture = getattr(module, name)
