@@ -143,8 +143,8 @@ def main() -> int:
         fused.silu_mul(torch.zeros(3, 2 * 4864, dtype=dtype))
         # Qwen3-30B-A3B's widths (hidden 2048, expert 768), 4 of its experts, top-2
         x, ids = torch.zeros(5, 2048, dtype=dtype), torch.tensor([[0, 1], [2, 3]] * 2 + [[1, 2]])
-        fused_moe.fused_moe(x, torch.zeros(4, 1536, 2048, dtype=dtype),
-                            torch.zeros(4, 2048, 768, dtype=dtype), torch.ones(5, 2), ids)  # fmt: skip
+        w13, w2 = torch.zeros(4, 1536, 2048, dtype=dtype), torch.zeros(4, 2048, 768, dtype=dtype)
+        fused_moe.fused_moe(x, w13, w2, torch.ones(5, 2), ids)
     seen = set()
     for module, name in kernels:
         capture = getattr(module, name)
