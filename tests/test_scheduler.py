@@ -198,16 +198,21 @@ def test_a_long_prefill_shares_each_step_with_the_decodes_and_short_prompts_pass
     assert short.is_finished and long.num_output_tokens == 0  # passed the long one
 
 
-def test_a_long_token_dearer_than_a_decode_step_sits_steps_out_but_is_never_starved():
-    # A prompt token deep into a long context can cost more than a whole decode step: then
-    # the long prefill takes one token every few steps, keeping the decodes' steps short.
+def _dear_long_tokens() -> tuple[CostClock, Scheduler]:
+    """A scheduler on a clock where one long token (10 ms) costs two decode steps (5 ms)."""
     clock = CostClock()
     clock.BASE_S, clock.PER_TOKEN_S = 0.005, 0.010
     config = EngineConfig(
         max_num_seqs=8, max_num_batched_tokens=2048, block_size=8, num_kv_blocks=1024,
         max_model_len=8192, enable_prefix_caching=False, long_prefill_token_threshold=256,
     )  # fmt: skip
-    sched = Scheduler(config, clock=clock)
+    return clock, Scheduler(config, clock=clock)
+
+
+def test_a_long_token_dearer_than_a_decode_step_sits_steps_out_but_is_never_starved():
+    # A prompt token deep into a long context can cost more than a whole decode step: then
+    # the long prefill takes one token every few steps, keeping the decodes' steps short.
+    clock, sched = _dear_long_tokens()
     sched.add_request(make_request("d", 4, max_tokens=500))
     clock.step(sched)
     clock.step(sched)
@@ -247,13 +252,7 @@ def test_the_engine_waits_for_a_returning_client_before_a_long_prefills_alone_st
     # ends, only the long prompt is left: the next step would run it alone, and one of its
     # tokens (10 ms) costs two decode steps. Once a few gaps were seen, the engine waits for
     # a client that comes back sooner than that step would take, never for a slower one.
-    clock = CostClock()
-    clock.BASE_S, clock.PER_TOKEN_S = 0.005, 0.010
-    config = EngineConfig(
-        max_num_seqs=8, max_num_batched_tokens=2048, block_size=8, num_kv_blocks=1024,
-        max_model_len=8192, enable_prefix_caching=False, long_prefill_token_threshold=256,
-    )  # fmt: skip
-    sched = Scheduler(config, clock=clock)
+    clock, sched = _dear_long_tokens()
     sched.add_request(make_request("long", 3000, max_tokens=1))
     holds_s = []
     back_at = 0.0
