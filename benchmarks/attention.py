@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.attention import AttentionMetadata, build_attention_metadata
+from conveyor.model.attention.metadata import AttentionMetadata, build_attention_metadata
 from conveyor.model.attention.torch_attention import paged_attention as torch_paged_attention
 from conveyor.model.kv_cache import QuantizedKVCache, gather_kv
 

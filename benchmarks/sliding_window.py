@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from conveyor.model.attention import build_attention_metadata, get_attention_backend
+from conveyor.model.attention.metadata import build_attention_metadata
+from conveyor.model.attention.registry import get_attention_backend
 
 
 def _case(args: argparse.Namespace, window: int | None, device: torch.device) -> dict:

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from tests.paged_blocks import shuffled_block_tables
 
-from conveyor.model.attention import build_attention_metadata, cpu_attention
+from conveyor.model.attention import cpu_attention
 from conveyor.model.attention.cpu_attention import CpuAttentionBackend, _CpuPlan
+from conveyor.model.attention.metadata import build_attention_metadata
 from conveyor.model.attention.torch_attention import paged_attention as reference
 from conveyor.model.cpu import cpu_build, cpu_kernels
 from conveyor.model.kv_cache import QuantizedKVCache, write_kv_cache

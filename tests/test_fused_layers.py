@@ -111,7 +111,7 @@ def test_a_cache_slot_outside_the_cache_is_a_value_error_not_a_crash(tmp_path, t
     llm = _llm("llama-f32", tmp_path, tiny_tokenizer_dir)
     runner = llm.llm_engine.runner
     model, fused = runner.model, runner.model.fused_layers
-    from conveyor.model.attention import build_attention_metadata
+    from conveyor.model.attention.metadata import build_attention_metadata
 
     meta = build_attention_metadata([1], [1], [[0]], runner.block_size)
     meta.slot_mapping = torch.tensor([10**6], dtype=torch.int64)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from conveyor.model.attention import build_attention_metadata
+from conveyor.model.attention.metadata import build_attention_metadata
 from conveyor.model.attention.torch_attention import paged_attention as reference
 from conveyor.model.kv_cache import QuantizedKVCache, write_kv_cache
 

@@ -14,15 +14,15 @@ import transformers
 
 from conveyor import LLM, SamplingParams
 from conveyor.config import EngineConfig
-from conveyor.model.attention import build_attention_metadata
+from conveyor.model.attention.metadata import build_attention_metadata
 from conveyor.model.attention.torch_attention import TorchAttentionBackend
 from conveyor.model.kv_cache import (
     QuantizedKVCache,
     allocate_kv_caches,
-    kv_cache_bytes_per_block,
     quantize_int8,
     write_kv_cache,
 )
+from conveyor.model.kv_sizing import kv_cache_bytes_per_block
 from conveyor.model.runner import ModelRunner
 
 PROMPTS = [

@@ -18,6 +18,7 @@ HEAVY = ("torch", "triton", "transformers", "fastapi", "uvicorn")
         "conveyor.core.policies",
         "conveyor.config",
         "conveyor.engine.outputs",
+        "conveyor.model.attention.registry",
         "conveyor.simulator",
         "conveyor.model.loading.checkpoint",
         "conveyor.model.loading.pooling_config",

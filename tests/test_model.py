@@ -12,12 +12,15 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from conveyor.model.attention import build_attention_metadata, get_attention_backend
 from conveyor.model.attention.cpu_attention import CpuAttentionBackend
+from conveyor.model.attention.metadata import build_attention_metadata
+from conveyor.model.attention.registry import get_attention_backend
 from conveyor.model.attention.torch_attention import TorchAttentionBackend
 from conveyor.model.cpu import cpu_build
-from conveyor.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, write_kv_cache
-from conveyor.model.loading.loader import MODEL_REGISTRY, load_model, resolve_dtype
+from conveyor.model.kv_cache import allocate_kv_caches, write_kv_cache
+from conveyor.model.kv_sizing import kv_cache_bytes_per_block
+from conveyor.model.loading.hf_config import MODEL_REGISTRY, resolve_dtype
+from conveyor.model.loading.loader import load_model
 from conveyor.model.models.llama import ModelConfig
 
 BLOCK_SIZE = 4
@@ -305,6 +308,35 @@ def test_auto_backend_is_triton_on_cuda_and_torch_when_triton_cannot_run(monkeyp
         get_attention_backend("triton", "cuda")
 
 
+class _PlainBackend(TorchAttentionBackend):
+    """A backend that declares neither an int8 cache nor sliding windows."""
+
+    name = "plain"
+    supports_int8_kv = False
+    supports_sliding_window = False
+
+
+def test_a_registered_backend_is_a_choice_and_is_asked_what_it_supports(
+    monkeypatch, demo_model_dir
+):
+    from conveyor.config import EngineConfig
+    from conveyor.model.attention import registry
+    from conveyor.model.loading import loader
+    from conveyor.model.runner import ModelRunner
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setitem(registry._BACKENDS, "plain", (__name__, "_PlainBackend"))
+    monkeypatch.setattr(loader, "build_model", never)  # refused before the weights load
+    config = EngineConfig(device="cpu", attention_backend="plain", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="'plain' cannot run an int8 KV cache"):
+        ModelRunner(config, str(demo_model_dir))
+    _PlainBackend.check_supports("auto", windows=False)
+    with pytest.raises(ValueError, match="cannot run sliding-window layers"):
+        _PlainBackend.check_supports("auto", windows=True)
+
+
 def test_kv_cache_size_matches_allocation(models):
     _, ours, _ = models
     caches = _caches(ours)
@@ -319,7 +351,8 @@ def test_kv_cache_default_fits_the_demo_and_never_exceeds_what_max_num_seqs_can_
     demo_model_dir,
 ):
     from conveyor.config import EngineConfig
-    from conveyor.model.runner import DEMO_KV_CACHE_SPACE_GB, ModelRunner
+    from conveyor.model.kv_sizing import DEMO_KV_CACHE_SPACE_GB
+    from conveyor.model.runner import ModelRunner
 
     demo = ModelRunner(EngineConfig(device="cpu"), str(demo_model_dir))  # config.model None
     per_block = kv_cache_bytes_per_block(demo.model.config, 16, torch.float32)

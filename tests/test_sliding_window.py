@@ -20,8 +20,8 @@ from tests.hf_checkpoints import greedy_reference, write_checkpoint
 from tests.paged_blocks import shuffled_block_tables
 
 from conveyor import LLM, SamplingParams
-from conveyor.model.attention import build_attention_metadata
 from conveyor.model.attention.cpu_attention import CpuAttentionBackend, _CpuPlan
+from conveyor.model.attention.metadata import build_attention_metadata
 from conveyor.model.attention.torch_attention import paged_attention
 from conveyor.model.kv_cache import write_kv_cache
 from conveyor.model.loading.model_config import ModelConfig

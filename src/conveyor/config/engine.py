@@ -25,7 +25,6 @@ from conveyor.config.settings import (
 from conveyor.pooling_params import POOLING_TYPES
 from conveyor.validation import check_int, check_number, check_positive_int
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpu")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -111,7 +110,7 @@ class EngineConfig:
         "auto",
         "attention kernels (model/attention/); auto: triton on CUDA, cpu on CPU",
         section=MODEL,
-        choices=ATTENTION_BACKENDS,
+        choices=lazy_choices("conveyor.model.attention.registry", "available_backends"),
     )
     enforce_eager: bool = setting(
         False,

@@ -21,8 +21,9 @@ read. The kernel's key splits are fixed at capture from max_model_len (a split w
 merges as zero), so one graph serves every context length.
 
 Only pure decode steps qualify (every request brings one new token; no prompt logprobs, no
-embeddings), on CUDA with the Triton attention backend, which reads the step's shape from
-device tensors alone (the torch reference reads host lists). Anything else runs eagerly.
+embeddings), on CUDA with an attention backend that reads the step's shape from device tensors
+alone (`supports_cuda_graphs`: Triton's; the torch reference reads host lists). Anything else
+runs eagerly.
 
 The staging buffer is reused every step: safe because every step ends with the sampler copying
 its tokens to the host, which waits for this step's copy to be done.
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from conveyor.model.attention import AttentionMetadata
+from conveyor.model.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The paged KV cache: layout, size per block, allocation, writes and the int8 format.
+"""The paged KV cache's tensors: layout, allocation, writes and the int8 format. How many
+blocks, and what a block costs, is model/kv_sizing.py's plan; this module holds what it says.
 
 One cache per layer: [2 (k|v), num_blocks, block_size, num_kv_heads, head_dim] in the model's
 dtype, or, with kv_cache_dtype="int8", a QuantizedKVCache: the same layout in int8 plus one
@@ -17,7 +18,6 @@ functions here, which are its reference.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +25,7 @@ import torch
 
 from conveyor.config.engine import KV_CACHE_DTYPES
 from conveyor.model.cpu.huge_pages import ALIGN, arena_empty, huge_page_arena
+from conveyor.validation import check_choice
 
 # The absmax floor: an all-zero row stores zeros with a tiny (harmless) scale. Defined here,
 # not in conveyor.kernels (which needs triton): the Triton write kernel imports it from here.
@@ -42,52 +43,29 @@ class QuantizedKVCache:
 KVCache = torch.Tensor | QuantizedKVCache
 
 
-class _KVShape(Protocol):
+class KVShape(Protocol):
+    """The layers one allocation holds: a model's config, or one group of a kv_sizing.KVPlan."""
+
     num_hidden_layers: int
     num_key_value_heads: int
     head_dim: int
 
 
-def _check_kv_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}."
-        )
-
-
-def kv_cache_bytes_per_block(
-    model_config: _KVShape, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
-) -> int:
-    """Bytes one block costs across ALL layers (K and V): the unit the engine budgets in.
-
-    Args:
-        dtype: the model's dtype (the cache's with kv_cache_dtype "auto").
-        kv_cache_dtype: "auto" or "int8" (1 byte per element + a 4-byte scale per token-head).
-    """
-    _check_kv_dtype(kv_cache_dtype)
-    hkv, d = model_config.num_key_value_heads, model_config.head_dim
-    if kv_cache_dtype == "int8":
-        per_token_head = d + 4
-    else:
-        per_token_head = d * torch.empty((), dtype=dtype).element_size()
-    return 2 * block_size * hkv * per_token_head * model_config.num_hidden_layers
-
-
 def allocate_kv_caches(
-    model_config: _KVShape,
+    model_config: KVShape,
     num_blocks: int,
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
     kv_cache_dtype: str = "auto",
 ) -> list[KVCache]:
-    """One zeroed cache per layer: a [2, num_blocks, block_size, Hkv, D] tensor, or an int8
-    QuantizedKVCache.
+    """One zeroed cache per layer of `model_config`: a [2, num_blocks, block_size, Hkv, D]
+    tensor, or an int8 QuantizedKVCache.
 
     Zeroed on purpose: padded block-table entries and unwritten slots are read and then
     masked; masked scores get probability 0, and 0 * NaN garbage would still be NaN.
     """
-    _check_kv_dtype(kv_cache_dtype)
+    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
     shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
     layers = range(model_config.num_hidden_layers)
     kinds = [(shape, torch.int8), (shape[:4], torch.float32)] if kv_cache_dtype == "int8" else []
@@ -97,55 +75,12 @@ def allocate_kv_caches(
     else:
         # On 2 MiB pages, as the weights are (model/cpu/huge_pages.py): a decode step reads
         # blocks all over the cache. One mapping for all layers, no part-used page between.
-        item = {t: torch.empty((), dtype=t).element_size() for _, t in kinds}
-        total = len(layers) * sum(math.prod(s) * item[t] + ALIGN for s, t in kinds)
+        total = len(layers) * sum(math.prod(s) * t.itemsize + ALIGN for s, t in kinds)
         with huge_page_arena(total):
             caches = [[arena_empty(s, t).zero_() for s, t in kinds] for _ in layers]
     if kv_cache_dtype == "int8":
         return [QuantizedKVCache(data, scales) for data, scales in caches]
     return [cache for (cache,) in caches]
-
-
-def available_memory_bytes(device: torch.device) -> int | None:
-    """Bytes free for new tensors on `device` now: CUDA's free memory, or on CPU the kernel's
-    MemAvailable (what can be had without swapping); None when it cannot be told."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def kv_cache_memory_error(
-    num_blocks: int,
-    bytes_per_block: int,
-    device: torch.device,
-    num_kv_blocks: int | None,
-    kv_cache_space_gb: float,
-) -> ValueError:
-    """The error for a KV cache that does not fit: asked, available, the flag that lowers it."""
-    available = available_memory_bytes(device) or 0
-    gib = 1 << 30
-    fit = available // bytes_per_block
-    if num_kv_blocks is not None:
-        lower = f"lower --num-kv-blocks (now {num_kv_blocks}; about {fit} fit)"
-    else:
-        lower = (
-            f"lower --kv-cache-space-gb (now {kv_cache_space_gb:g}) or set --num-kv-blocks "
-            f"(about {fit} fit)"
-        )
-    return ValueError(
-        f"the KV cache needs {num_blocks * bytes_per_block / gib:.1f} GiB ({num_blocks} blocks) "
-        f"but only {available / gib:.1f} GiB of {device.type.upper()} memory is available; {lower}."
-    )
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

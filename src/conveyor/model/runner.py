@@ -32,15 +32,12 @@ from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence
 from conveyor.model.attention.metadata import build_step_metadata
 from conveyor.model.decode_graphs import DecodeGraphs
-from conveyor.model.kv_sizing import allocate_kv_cache, size_kv_cache
+from conveyor.model.kv_sizing import allocate_kv_cache, plan_kv_cache
 from conveyor.model.loading.demo import demo_model_path
-from conveyor.model.loading.loader import load_weights, read_hf_config
+from conveyor.model.loading.hf_config import read_hf_config
+from conveyor.model.loading.loader import load_weights
 from conveyor.model.pooler import Pooler, PoolRows
-from conveyor.model.runner_settings import (  # noqa: F401 (the constants: imported from here)
-    DEFAULT_KV_CACHE_SPACE_GB,
-    DEMO_KV_CACHE_SPACE_GB,
-    resolve_settings,
-)
+from conveyor.model.runner_settings import resolve_settings
 from conveyor.model.sampling.logits_guard import FiniteLogitsGuard
 from conveyor.model.sampling.prompt_logprobs import PromptRows, prompt_logprobs
 from conveyor.model.sampling.sampler import Sampler, SamplerOutput
@@ -75,8 +72,9 @@ class ModelRunner:
     def __init__(
         self, config: EngineConfig, model_path: str | None = None, tp: TPGroup | None = None
     ) -> None:
-        """Start-up in four steps, each in its own module: resolve the settings, load the
-        weights, size the KV cache, allocate it; then, on CUDA, capture the decode graphs.
+        """Start-up in four steps, each in its own module: resolve the settings, plan the KV
+        cache, load the weights, settle the plan and allocate its tensors; then, on CUDA,
+        capture the decode graphs.
 
         Args:
         config: the engine's settings.
@@ -89,19 +87,22 @@ class ModelRunner:
             model_path = str(config.model or demo_model_path())
         self.model_path = model_path
         self.tp = tp
-        # 1. Every choice, checked before anything loads (runner_settings.py).
-        s = self.settings = resolve_settings(config, read_hf_config(model_path), tp)
-        # 2. The weights, on their GEMM and kernels (loading/loader.py).
-        self.model, kernels = load_weights(model_path, s, config, tp)
-        # 3. The KV cache's blocks: from the budget, or measured on CUDA (kv_sizing.py).
-        kv = size_kv_cache(s, self.model, config, tp)
-        # 4. The KV cache itself (kv_sizing.py, kv_cache.py).
-        self.kv_caches = allocate_kv_cache(kv, s, self.model.kv_config, config)
+        # 1. Every choice, checked before anything loads (runner_settings.py; the
+        # checkpoint's config: loading/hf_config.py).
+        hf_config = read_hf_config(model_path)
+        s = self.settings = resolve_settings(config, hf_config, tp)
+        # 2. The KV cache's plan, refused now if memory cannot hold it (kv_sizing.py).
+        plan = plan_kv_cache(s, config)
+        # 3. The weights, on their GEMM and kernels (loading/loader.py).
+        self.model, kernels = load_weights(model_path, hf_config, s, config, tp)
+        # 4. The plan settled (measured, on CUDA with no size given) and its tensors
+        # (kv_sizing.py over kv_cache.py).
+        plan, self.kv_caches = allocate_kv_cache(plan, self.model, config, tp)
 
         self.device, self.dtype, self.block_size = s.device, s.dtype, s.block_size
         self.weight_dtype, self.kv_dtype = s.weight_dtype, s.kv_dtype
-        self.linear_backend, self.kv_cache_space_gb = s.linear_backend, s.kv_cache_space_gb
-        self.num_kv_blocks, self.max_model_len = kv.num_blocks, kv.max_model_len
+        self.linear_backend, self.kv_cache_space_gb = s.linear_backend, plan.space_gb
+        self.num_kv_blocks, self.max_model_len = plan.num_blocks, plan.max_model_len
         self.vocab_size = self.model.config.vocab_size
         # 5. CUDA: the decode steps' forward captured as graphs (decode_graphs.py).
         self.graphs = None
@@ -119,11 +120,11 @@ class ModelRunner:
 
     def _graphs_apply(self, config: EngineConfig) -> bool:
         """CUDA graphs need CUDA, a whole model here (no tensor-parallel collectives inside a
-        graph yet), and the Triton backend, which reads a step's shape from device tensors
-        only; enforce_eager turns them off."""
+        graph yet), and an attention backend that reads a step's shape from device tensors
+        only (supports_cuda_graphs); enforce_eager turns them off."""
         if config.enforce_eager or self.device.type != "cuda" or self.tp is not None:
             return False
-        return self.model.attention_backend.name == "triton"
+        return self.model.attention_backend.supports_cuda_graphs
 
     def remove_requests(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -121,7 +121,7 @@ def shutdown_runner(runner: ModelRunner) -> None:
 def _check_model(model_path: str, size: int) -> None:
     """Shapes that cannot be split, or a GGUF file, are refused before any process starts."""
     from conveyor.model.loading.checkpoint import find_gguf_file
-    from conveyor.model.loading.loader import model_config, read_hf_config
+    from conveyor.model.loading.hf_config import model_config, read_hf_config
     from conveyor.parallel.sharding import check_tensor_parallel
 
     if find_gguf_file(model_path) is not None:

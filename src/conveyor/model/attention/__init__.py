@@ -15,75 +15,15 @@ Token position p of request b lives in slot  block_tables[b][p // block_size] * 
     positions  0 1 2 3 | 4 5 6 7 | 8 9 . .
     blocks        7         2        9      -> slot(9) = 9 * 4 + 1 = 37
 
-This package: the metadata and the backends' interface (metadata.py), a registry by name
-(here: `get_attention_backend`), and one module per backend, imported only when picked:
+This package: the metadata and the backends' interface, with what each backend declares it
+supports (metadata.py), the registry by name (registry.py: plain Python, which the config
+reads), and one module per backend, imported only when picked:
 
     torch_attention.py   "torch": the reference in plain torch, the ground truth
     cpu_attention.py     "cpu": a C kernel (model/cpu/csrc/paged_attention.c) for decode rows
                          and prefill chunks, SDPA for long chunks
     triton_attention.py  "triton": conveyor.kernels, one KV write and one attention launch
 
-A new backend is one module with an AttentionBackend subclass and one line in _BACKENDS.
+A new backend is one module with an AttentionBackend subclass and one line in registry.py's
+_BACKENDS. This file imports nothing: import the submodules themselves.
 """
-
-from __future__ import annotations
-
-import importlib
-import logging
-
-import torch
-
-from conveyor.model.attention.metadata import (
-    AttentionBackend,
-    AttentionMetadata,
-    build_attention_metadata,
-)
-
-__all__ = [
-    "AttentionBackend",
-    "AttentionMetadata",
-    "backend_class",
-    "build_attention_metadata",
-    "get_attention_backend",
-]
-
-logger = logging.getLogger(__name__)
-
-# name -> (module, class)
-_BACKENDS = {
-    "torch": ("conveyor.model.attention.torch_attention", "TorchAttentionBackend"),
-    "cpu": ("conveyor.model.attention.cpu_attention", "CpuAttentionBackend"),
-    "triton": ("conveyor.model.attention.triton_attention", "TritonAttentionBackend"),
-}
-
-
-def backend_class(name: str) -> type[AttentionBackend]:
-    """The backend class registered as `name` (its module imported now)."""
-    module, cls = _BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)
-
-
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """Pick an attention backend by name.
-
-    "auto": Triton on CUDA (the torch reference if triton cannot be imported), "cpu" on the
-    CPU (C decode kernel; it falls back to the reference by itself where it cannot run), the
-    torch reference elsewhere. "triton" forces the kernels (on CPU only under
-    TRITON_INTERPRET=1); "torch" forces the reference.
-
-    Raises:
-        ValueError: an unknown name, or "triton" where the kernels cannot run.
-    """
-    device = torch.device(device)
-    if name == "auto":
-        name = "cpu" if device.type == "cpu" else "torch"
-        if device.type == "cuda":
-            try:
-                return backend_class("triton")(device)
-            except ValueError as exc:
-                logger.warning("Triton attention unavailable (%s); using torch.", exc)
-    if name not in _BACKENDS:
-        raise ValueError(
-            f"Unknown attention backend {name!r}; choose one of auto, {', '.join(_BACKENDS)}."
-        )
-    return backend_class(name)(device)

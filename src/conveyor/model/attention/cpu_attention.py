@@ -126,7 +126,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     reference backend it extends instead.
     """
 
-    name = "cpu"
+    name = "cpu"  # int8 and windows: as the reference it extends
+    layer_kernels = "c"
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

@@ -137,12 +137,45 @@ def build_step_metadata(
 
 
 class AttentionBackend(ABC):
-    """Writes this step's K/V into the paged cache and attends (one call per layer)."""
+    """Writes this step's K/V into the paged cache and attends (one call per layer).
+
+    Each backend declares what it supports; the runner and the loader ask these, never the
+    name, and a model or cache a backend cannot run is refused before the weights load
+    (`check_supports`). Every backend takes any mix of prefill chunks and decode rows.
+    """
 
     name: ClassVar[str]
+    # Reads a step's shape from device tensors alone (no host lists), so a decode step's
+    # forward can be captured as a CUDA graph (model/decode_graphs.py).
+    supports_cuda_graphs: ClassVar[bool] = False
+    supports_int8_kv: ClassVar[bool] = False  # a QuantizedKVCache (model/kv_cache.py)
+    supports_sliding_window: ClassVar[bool] = False  # forward's `window`
+    # The library whose norm, rotary and activation kernels come with this backend
+    # (loading/loader.py's load_weights puts the layers on them): "triton"
+    # (conveyor.kernels.fused, on CUDA) or "c" (model/cpu/cpu_kernels.py, in float32; it also
+    # runs whole decoder layers and the sampler's argmax). None: torch runs them.
+    layer_kernels: ClassVar[str | None] = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    @classmethod
+    def check_supports(cls, kv_cache_dtype: str, windows: bool) -> None:
+        """ValueError when this backend cannot run a cache of `kv_cache_dtype` ("auto" or
+        "int8"), or sliding-window layers where the model has some (`windows`)."""
+        missing = [
+            what
+            for what, needed, supported in (
+                ("an int8 KV cache", kv_cache_dtype == "int8", cls.supports_int8_kv),
+                ("sliding-window layers", windows, cls.supports_sliding_window),
+            )
+            if needed and not supported
+        ]
+        if missing:
+            raise ValueError(
+                f"attention_backend {cls.name!r} cannot run {' or '.join(missing)}; choose "
+                "another attention_backend."
+            )
 
     @abstractmethod
     def forward(

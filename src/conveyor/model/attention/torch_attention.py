@@ -300,6 +300,8 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend in plain torch (CPU, or any device as a slow fallback)."""
 
     name = "torch"
+    supports_int8_kv = True  # gathered and dequantised
+    supports_sliding_window = True
 
     def forward(
         self,

@@ -16,6 +16,10 @@ class TritonAttentionBackend(AttentionBackend):
     """conveyor.kernels: one KV-write launch and one paged-attention launch per layer."""
 
     name = "triton"
+    supports_cuda_graphs = True  # a step's shape: from device tensors
+    supports_int8_kv = True
+    supports_sliding_window = True
+    layer_kernels = "triton"
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

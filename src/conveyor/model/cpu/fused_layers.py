@@ -36,7 +36,7 @@ from conveyor.model.cpu.quant_linear import _Q8A_BYTES, BLOCK, QuantLinear
 from conveyor.model.models.layers import GatedMLP, RMSNorm
 
 if TYPE_CHECKING:
-    from conveyor.model.attention import AttentionMetadata
+    from conveyor.model.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -59,9 +59,9 @@ class HugePageArena:
         self.mapped_bytes = 0  # all mappings' sizes, for the log
         self.placed_bytes = 0  # the tensors' bytes
 
-    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized contiguous CPU tensor in the arena."""
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    def place(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized contiguous CPU tensor, placed in the arena."""
+        nbytes = _numel(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype)
         start = -(-self._used // ALIGN) * ALIGN
@@ -130,7 +130,7 @@ def arena_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     arena = _arena.get()
     if arena is None:
         return torch.empty(tuple(shape), dtype=dtype)
-    return arena.empty(shape, dtype)
+    return arena.place(shape, dtype)
 
 
 def huge_page_bytes() -> int | None:

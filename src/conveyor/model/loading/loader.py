@@ -1,9 +1,9 @@
 """Load an HF checkpoint directory (config.json + *.safetensors) into our modules.
 
-The class comes from `config.json["architectures"]` through `MODEL_REGISTRY`, read from the
-families' declarations (model/models/__init__.py's FAMILIES, each class's `SPEC`: its
-architecture names, config names, fused weights and tensor-parallel splits). The model is
-built on the meta device (no random init), then every parameter is assigned from the
+The class comes from `config.json["architectures"]` through `MODEL_REGISTRY` (hf_config.py),
+read from the families' declarations (model/models/__init__.py's FAMILIES, each class's
+`SPEC`: its architecture names, config names, fused weights and tensor-parallel splits). The
+model is built on the meta device (no random init), then every parameter is assigned from the
 checkpoint, converted to the target dtype/device (Llama's names):
 
     HF name                                   ours
@@ -31,16 +31,16 @@ import logging
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from conveyor.config.engine import DTYPES
-from conveyor.model.attention import get_attention_backend
-from conveyor.model.cpu import cpu_build, cpu_kernels
+from conveyor.model.attention.metadata import AttentionBackend
+from conveyor.model.attention.registry import get_attention_backend
+from conveyor.model.cpu import cpu_kernels
 from conveyor.model.cpu.fused_layers import FusedLayers
 from conveyor.model.cpu.huge_pages import huge_page_arena
 from conveyor.model.cpu.linear import linear_factory, pack_linears
@@ -51,17 +51,12 @@ from conveyor.model.cpu.quant_linear import (
     quantized_module,
     set_activation_passes,
 )
-from conveyor.model.loading.checkpoint import find_gguf_file, read_config_json
+from conveyor.model.loading.checkpoint import find_gguf_file
 from conveyor.model.loading.finite_weights import check_torch_tensor
-from conveyor.model.loading.gguf_loader import (
-    iter_gguf_tensors,
-    open_gguf,
-    read_gguf_config,
-    release_gguf,
-)
+from conveyor.model.loading.gguf_loader import iter_gguf_tensors, open_gguf, release_gguf
+from conveyor.model.loading.hf_config import read_hf_config, resolve_dtype, resolve_model_class
 from conveyor.model.loading.model_config import ModelConfig
 from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_tensors
-from conveyor.model.models import FAMILIES
 from conveyor.model.models.layers import use_kernels
 from conveyor.model.models.llama import LlamaForCausalLM
 from conveyor.model.models.moe import use_grouped_gemm
@@ -70,89 +65,22 @@ from conveyor.parallel.sharding import Shard
 if TYPE_CHECKING:
     from conveyor.config import EngineConfig
     from conveyor.model.cpu.cpu_kernels import CpuKernels
-    from conveyor.model.runner_settings import RunnerSettings
 
 logger = logging.getLogger(__name__)
 
-# config.json architecture -> class: each family's own name first, then the other names it
-# serves (the bare decoders, no head: embedding checkpoints saved from AutoModel).
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    name: cls for cls in FAMILIES for name in cls.SPEC.architectures[:1]
-} | {name: cls for cls in FAMILIES for name in cls.SPEC.architectures[1:]}
-
-# The one name -> dtype table: EngineConfig's dtype names, "auto" aside (resolve_dtype).
-_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in DTYPES if n != "auto"}
 # Buffers some older checkpoints saved; we recompute them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The parsed config.json of a checkpoint directory, or the config dict of a GGUF file
-    (ValueError naming the file if it is missing, not valid JSON or an unsupported GGUF)."""
-    gguf_file = find_gguf_file(path)
-    if gguf_file is not None:
-        return read_gguf_config(gguf_file)
-    return read_config_json(path)
+class LoadSettings(Protocol):
+    """What load_weights reads of the runner's settings (model/runner_settings.py's
+    RunnerSettings is one), named here so that the loader imports nothing of the runner's."""
 
-
-def resolve_model_class(hf_config: dict[str, Any]) -> type[LlamaForCausalLM]:
-    """The registered class for the checkpoint's first architecture (ValueError if none)."""
-    archs = hf_config.get("architectures") or []
-    for arch in archs:
-        if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
-    raise ValueError(
-        f"Unsupported architecture {archs or None}; supported: {', '.join(MODEL_REGISTRY)}."
-    )
-
-
-def model_config(hf_config: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of a checkpoint's config dict, read with its family's config names
-    (ValueError for an unsupported architecture or config)."""
-    cls = resolve_model_class(hf_config)
-    return ModelConfig.from_hf_config(hf_config, cls.SPEC.config_names)
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 pairs natively (AVX512-BF16 or AMX-BF16)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_build.cpu_flags())
-
-
-def resolve_dtype(
-    dtype: torch.dtype | str, device: torch.device, hf_config: dict[str, Any] | None = None
-) -> torch.dtype:
-    """A torch dtype from a dtype or one of `DTYPES`' names.
-
-    "auto" on CPU: bfloat16 for a bfloat16 checkpoint (`hf_config`'s dtype) where the CPU
-    has native bf16 dot products (AVX512-BF16 or AMX-BF16, cpu_has_native_bf16), as vLLM-CPU
-    does; float32 otherwise: for other checkpoints (quantized GGUF files included) and on
-    CPUs without them, and "float32" keeps exact parity anywhere ("bfloat16" selects the CPU
-    bf16 path on any CPU: linear.py). On CUDA it follows the checkpoint when that is float16
-    or bfloat16, and is bfloat16 for a float32 checkpoint, one that names no dtype, or no
-    `hf_config`. Other devices: float32.
-
-    Args:
-        dtype: a torch dtype (returned as is), "auto", "float32", "float16" or "bfloat16".
-        device: the device the model runs on.
-        hf_config: the checkpoint's config.json, to make "auto" follow the checkpoint.
-    Returns:
-        the dtype.
-    Raises:
-        ValueError: an unknown name.
-    """
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        name = (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype")
-        if device.type == "cpu":
-            native = name == "bfloat16" and cpu_has_native_bf16()
-            return torch.bfloat16 if native else torch.float32
-        if device.type != "cuda":
-            return torch.float32
-        return _DTYPES[name] if name in ("float16", "bfloat16") else torch.bfloat16
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}.")
-    return _DTYPES[dtype]
+    device: torch.device
+    dtype: torch.dtype  # the activations'
+    weight_dtype: torch.dtype  # the linears' and the embedding's
+    linear_backend: str
+    attention_backend: AttentionBackend
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -193,7 +121,8 @@ def load_model(
     keep_quantized: bool = False,
     linear_dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
-    """Load a checkpoint directory into our model, in eval mode on device/dtype.
+    """Load a checkpoint directory into our model, in eval mode on device/dtype: the names
+    resolved here, the rest as build_model.
 
     Args:
         path: HF checkpoint directory (config.json + safetensors), a GGUF file, or a folder
@@ -202,7 +131,8 @@ def load_model(
             on CPU; on CUDA the checkpoint's half-precision dtype, else bfloat16; see
             resolve_dtype).
         device: torch device or name ("auto": cuda when available, else cpu).
-        attention_backend: name for get_attention_backend ("auto", "torch", "triton").
+        attention_backend: a name for get_attention_backend ("auto", "torch", "cpu",
+            "triton").
         tp: a tensor-parallel rank's TPGroup: the model gets that rank's slices only
             (conveyor.parallel.sharding), each read as a narrow view of the file.
         keep_quantized: a GGUF file's weights of QUANT_TYPES stay in their blocks (CPU
@@ -221,8 +151,27 @@ def load_model(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     hf_config = read_hf_config(path)
-    cls = resolve_model_class(hf_config)
     dtype = resolve_dtype(dtype, device, hf_config)
+    backend = get_attention_backend(attention_backend, device)
+    return build_model(
+        path, hf_config, dtype, device, backend, tp=tp, keep_quantized=keep_quantized,
+        linear_dtype=linear_dtype,
+    )  # fmt: skip
+
+
+def build_model(
+    path: str | Path,
+    hf_config: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    tp: Any = None,
+    keep_quantized: bool = False,
+    linear_dtype: torch.dtype | None = None,
+) -> LlamaForCausalLM:
+    """The model of the checkpoint at `path` (its config: `hf_config`), every layer on
+    `backend`, in eval mode on `device` and `dtype` (load_model says the rest)."""
+    cls = resolve_model_class(hf_config)
     config = ModelConfig.from_hf_config(hf_config, cls.SPEC.config_names)
     gguf_file = find_gguf_file(path)
     shard = None if tp is None else Shard.of(config, tp.rank, tp.size, cls.SPEC.tp_splits)
@@ -244,7 +193,6 @@ def load_model(
             config.tie_word_embeddings or "lm_head.weight" not in _checkpoint_names(files)
         )
         tensors = iter_checkpoint_tensors(files)
-    backend = get_attention_backend(attention_backend, device)
     with torch.device("meta"):
         model = cls(config, backend, tp=tp, shard=shard)
     try:
@@ -269,9 +217,13 @@ def load_model(
 
 
 def load_weights(
-    path: str | Path, settings: RunnerSettings, config: EngineConfig, tp: Any = None
+    path: str | Path,
+    hf_config: dict[str, Any],
+    settings: LoadSettings,
+    config: EngineConfig,
+    tp: Any = None,
 ) -> tuple[LlamaForCausalLM, CpuKernels | None]:
-    """Start-up, step 2 of 4 (model/runner.py): the runner's model, loaded (load_model) as
+    """Start-up, step 3 (model/runner.py): the runner's model, built (build_model) as
     `settings` say, its linears packed for their GEMM and, on CPU with the C kernels, its
     norms, rotary and decoder layers put on them.
 
@@ -282,29 +234,27 @@ def load_weights(
     # The weights the C kernels stream every step go on 2 MiB pages (huge_pages.py).
     with huge_page_arena() if s.device.type == "cpu" else contextlib.nullcontext():
         # Our C kernels run the linears: a GGUF file's QUANT_TYPES blocks stay as they are.
-        model = load_model(
-            path, s.dtype, s.device, s.attention_backend, tp=tp,
+        model = build_model(
+            path, hf_config, s.dtype, s.device, s.attention_backend, tp=tp,
             keep_quantized=s.linear_backend == "cpu", linear_dtype=s.weight_dtype,
         )  # fmt: skip
         set_activation_passes(model, config.quant_activation_passes)
         if s.linear_backend in ("onednn", "cpu"):
             pack_linears(model, linear_factory(s.linear_backend, s.weight_dtype))
     logger.info("Weights in memory: %.1f MiB.", weight_bytes(model) / 2**20)
-    # The CPU attention backend's C library also runs the RMSNorms (residual add fused in),
-    # the rotary embedding and the sampler's argmax; on CUDA the Triton attention backend
-    # comes with Triton kernels for the same norms, rotary and activation
-    # (conveyor.kernels.fused). attention_backend "torch" keeps the forward and the sampler in
-    # torch.
-    if s.device.type == "cuda" and model.attention_backend.name == "triton":
+    # The norms (residual add fused in), rotary and activation run on the kernels that come
+    # with the attention backend's (AttentionBackend.layer_kernels): Triton's on CUDA
+    # (conveyor.kernels.fused), or the C library, which also runs the sampler's argmax and
+    # whole decoder layers. A backend without any (the torch reference) keeps them in torch.
+    layer_kernels = model.attention_backend.layer_kernels
+    if layer_kernels == "triton" and s.device.type == "cuda":
         import conveyor.kernels.fused as fused
 
         use_kernels(model, fused)
         logger.info("Norms, rotary and activation: Triton kernels (conveyor.kernels.fused).")
         use_grouped_gemm(model)
         return model, None
-    if s.device.type != "cpu" or s.attention_backend not in ("auto", "cpu"):
-        return model, None
-    kernels = cpu_kernels.load()
+    kernels = cpu_kernels.load() if layer_kernels == "c" else None
     if kernels is None or s.dtype != torch.float32:
         return model, None
     use_kernels(model, kernels)

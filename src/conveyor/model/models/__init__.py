@@ -2,7 +2,7 @@
 qwen3_moe.py, qwen2_moe.py and mixtral.py, on moe.py), their layers and what each declares
 (spec.py).
 
-`FAMILIES` is the one registry: the loader's MODEL_REGISTRY (config.json architectures) and
+`FAMILIES` is the one registry: hf_config.py's MODEL_REGISTRY (config.json architectures) and
 the GGUF reader's GGUF_ARCHITECTURES are read from each class's `SPEC`. A new family is its
 module and one line here."""
 

@@ -23,11 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    get_attention_backend,
-)
+from conveyor.model.attention.metadata import AttentionBackend, AttentionMetadata
+from conveyor.model.attention.registry import get_attention_backend
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.loading.model_config import ModelConfig  # also imported from here by callers
 from conveyor.model.models.layers import GatedMLP, RMSNorm, RopeStep, RotaryEmbedding

@@ -2,8 +2,8 @@
 and the GGUF reader (each family's class holds one `FamilySpec` as `SPEC`). Pure Python.
 
     FamilySpec field   read by                          says
-    architectures      loading/loader.py MODEL_REGISTRY the config.json `architectures` names
-                                                        it serves (its own first)
+    architectures      loading/hf_config.py             the config.json `architectures` names
+                       MODEL_REGISTRY                   it serves (its own first)
     config_names       loading/model_config.py          ModelConfig fields its config.json
                                                         names differently
     packed_modules     loading/loader.py                checkpoint weights fused into one
