@@ -21,8 +21,8 @@ from tests.gguf_files import write_gguf
 from tests.hf_checkpoints import agree_until_a_near_tie, greedy_reference, write_checkpoint
 
 from conveyor import LLM, SamplingParams
+from conveyor.model.distributed.sharding import Shard
 from conveyor.model.models.llama import LlamaForCausalLM
-from conveyor.parallel.sharding import Shard
 
 NEAR_TIE = 1e-3  # float32 logits: rounding of a different summation order
 NUM_PROMPTS = 8

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tests.serve_process import ServeProcess, free_port
 
 from conveyor import LLM, SamplingParams
-from conveyor.parallel.group import TensorParallelError
+from conveyor.model.distributed.group import TensorParallelError
 from conveyor.server.launch import ENGINE_DIED_EXIT_CODE
 
 _WORKER_PID = re.compile(r"Tensor-parallel worker rank 1 started \(pid (\d+)\)")

@@ -32,6 +32,7 @@ from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence
 from conveyor.model.attention.metadata import build_step_metadata
 from conveyor.model.decode_graphs import DecodeGraphs
+from conveyor.model.distributed.group import StepBatch, TPGroup
 from conveyor.model.kv_sizing import allocate_kv_cache, plan_kv_cache
 from conveyor.model.loading.demo import demo_model_path
 from conveyor.model.loading.hf_config import read_hf_config
@@ -41,7 +42,6 @@ from conveyor.model.runner_settings import resolve_settings
 from conveyor.model.sampling.logits_guard import FiniteLogitsGuard
 from conveyor.model.sampling.prompt_logprobs import PromptRows, prompt_logprobs
 from conveyor.model.sampling.sampler import Sampler, SamplerOutput
-from conveyor.parallel.group import StepBatch, TPGroup
 
 # What a step returns: sampled requests, their SamplerOutput, prompt logprobs, embeddings.
 StepResult = tuple[

@@ -25,10 +25,10 @@ from conveyor.config import EngineConfig
 from conveyor.model.attention.metadata import AttentionBackend
 from conveyor.model.attention.registry import get_attention_backend
 from conveyor.model.cpu.linear import resolve_linear_backend
+from conveyor.model.distributed.group import TPGroup
+from conveyor.model.distributed.sharding import Shard
 from conveyor.model.loading.hf_config import model_config, resolve_dtype, resolve_model_class
 from conveyor.model.loading.model_config import ModelConfig
-from conveyor.parallel.group import TPGroup
-from conveyor.parallel.sharding import Shard
 
 logger = logging.getLogger(__name__)
 

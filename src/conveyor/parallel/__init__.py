@@ -1,2 +1,3 @@
-"""Tensor parallelism over torch.distributed: sharding rules (sharding.py), the group and its
-step messages (group.py), rank 0's launcher and watchdog (launch.py), the worker (worker.py)."""
+"""Tensor parallelism's processes over torch.distributed: rank 0's launcher and watchdog
+(launch.py), the worker (worker.py); the slices and collectives they use are the model's
+(conveyor.model.distributed)."""

@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 from conveyor.config import EngineConfig
+from conveyor.model.distributed.group import TensorParallelError, TPGroup, timeout_from_env
 from conveyor.model.loading.demo import demo_model_path
 from conveyor.model.runner import ModelRunner
 from conveyor.model.runner_settings import resolve_device
-from conveyor.parallel.group import TensorParallelError, TPGroup, timeout_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +120,9 @@ def shutdown_runner(runner: ModelRunner) -> None:
 
 def _check_model(model_path: str, size: int) -> None:
     """Shapes that cannot be split, or a GGUF file, are refused before any process starts."""
+    from conveyor.model.distributed.sharding import check_tensor_parallel
     from conveyor.model.loading.checkpoint import find_gguf_file
     from conveyor.model.loading.hf_config import model_config, read_hf_config
-    from conveyor.parallel.sharding import check_tensor_parallel
 
     if find_gguf_file(model_path) is not None:
         raise ValueError(

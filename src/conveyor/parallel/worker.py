@@ -25,9 +25,9 @@ import time
 import torch
 
 from conveyor.model.attention.metadata import build_step_metadata
+from conveyor.model.distributed.group import TPGroup, timeout_from_env
 from conveyor.model.runner import ModelRunner
 from conveyor.model.runner_settings import resolve_device
-from conveyor.parallel.group import TPGroup, timeout_from_env
 
 logger = logging.getLogger(__name__)
 

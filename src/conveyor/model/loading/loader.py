@@ -51,6 +51,7 @@ from conveyor.model.cpu.quant_linear import (
     quantized_module,
     set_activation_passes,
 )
+from conveyor.model.distributed.sharding import Shard
 from conveyor.model.loading.checkpoint import find_gguf_file
 from conveyor.model.loading.finite_weights import check_torch_tensor
 from conveyor.model.loading.gguf_loader import iter_gguf_tensors, open_gguf, release_gguf
@@ -60,7 +61,6 @@ from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_te
 from conveyor.model.models.layers import use_kernels
 from conveyor.model.models.llama import LlamaForCausalLM
 from conveyor.model.models.moe import use_grouped_gemm
-from conveyor.parallel.sharding import Shard
 
 if TYPE_CHECKING:
     from conveyor.config import EngineConfig
@@ -134,7 +134,7 @@ def load_model(
         attention_backend: a name for get_attention_backend ("auto", "torch", "cpu",
             "triton").
         tp: a tensor-parallel rank's TPGroup: the model gets that rank's slices only
-            (conveyor.parallel.sharding), each read as a narrow view of the file.
+            (conveyor.model.distributed.sharding), each read as a narrow view of the file.
         keep_quantized: a GGUF file's weights of QUANT_TYPES stay in their blocks (CPU
             float32 with the C kernels only; elsewhere everything is dequantized).
         linear_dtype: the dtype of the linears' and the embedding's weights when it differs

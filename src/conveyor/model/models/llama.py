@@ -25,11 +25,11 @@ from torch import nn
 
 from conveyor.model.attention.metadata import AttentionBackend, AttentionMetadata
 from conveyor.model.attention.registry import get_attention_backend
+from conveyor.model.distributed.sharding import VocabParallelEmbedding
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.loading.model_config import ModelConfig  # also imported from here by callers
 from conveyor.model.models.layers import GatedMLP, RMSNorm, RopeStep, RotaryEmbedding
 from conveyor.model.models.spec import FamilySpec, GGUFNames
-from conveyor.parallel.sharding import VocabParallelEmbedding
 
 # llama.cpp's tensor names (the same for its llama, qwen2 and qwen3 files).
 LLAMA_GGUF = GGUFNames(
@@ -196,8 +196,8 @@ class LlamaForCausalLM(nn.Module):
         tp: Any = None,
         shard: Any = None,
     ) -> None:
-        """tp, shard: a tensor-parallel rank's TPGroup and parallel.sharding.Shard (its head,
-        MLP and vocabulary slices); None: the whole model."""
+        """tp, shard: a tensor-parallel rank's TPGroup and Shard (model/distributed/: its
+        head, MLP and vocabulary slices); None: the whole model."""
         super().__init__()
         self.config = config
         self.tp = tp

@@ -10,7 +10,7 @@ and the GGUF reader (each family's class holds one `FamilySpec` as `SPEC`). Pure
                                                         module (HF leaf -> (ours, index))
     renames            loading/loader.py                checkpoint module names that are
                                                         others of ours
-    tp_splits          parallel/sharding.py Shard       how tensor parallelism splits each
+    tp_splits          model/distributed/sharding.py Shard       how tensor parallelism splits each
                                                         weight, by module leaf (SPLITS)
     gguf               loading/gguf_loader.py           its llama.cpp architecture and tensor
                                                         names (None: no GGUF files)
@@ -22,8 +22,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# How tensor parallelism splits a weight [out, in] (parallel/sharding.py; a leaf not named is
-# replicated):
+# How tensor parallelism splits a weight [out, in] (model/distributed/sharding.py; a leaf not
+# named is replicated):
 #   heads     rows, this rank's query heads            kv_heads  rows, this rank's KV heads
 #   column    rows, an equal share                     row       columns, an equal share (its
 #   vocab     rows, ceil(V / N) each, zero-padded                bias added by rank 0 only)
