@@ -9,7 +9,7 @@ generate) and both kernel libraries, this tree's and the one `--baseline-src` bu
 `src` folder of another checkout, e.g. `git archive REV src | tar -x -C /tmp/base`, built in
 a subprocess and cached as usual), and for each of `--rounds` rounds runs one generate on
 each side. A side is the library behind the fused layers' one C call
-(`conveyor_decoder_layers`, model/cpu/fused_layers.py) and behind the head's GEMM (the
+(`decoder_layers_f32`, model/cpu/fused_layers.py) and behind the head's GEMM (the
 CpuLinear entry points: in a decode step only the head calls them). Per side: the medians
 over its steps of the C call, of the head and of the whole engine step (the host's Python
 included), in ms, and per step of a round the ratio this tree / baseline, whose median, 10th
@@ -18,9 +18,10 @@ before the first round and after each (as gguf_decode.py's probe), and `per_roun
 round's samples on both sides of it with each side's medians of that round, so a run says
 which of the VM's phases each round saw, and which rounds it changed phase in.
 
-The baseline's `conveyor_decoder_layers` must take the descriptors this tree's
-fused_layers.py builds (the same cv_layer / cv_step layout); a model whose layers do not run
-as one C call is refused.
+The baseline's `decoder_layers_f32` must take the descriptors this tree's fused_layers.py
+builds (the same layer_desc / step_desc layout; a baseline from before the kernels' names
+were `<op>_<weight>_<activation>` is bound by its old names, `conveyor_decoder_layers` and
+`conveyor_linear_*`); a model whose layers do not run as one C call is refused.
 
     python benchmarks/layers_ab.py --model SMOLLM2_FOLDER --dtype bfloat16 \
         --baseline-src /tmp/base/src --rounds 20 --tokens 32
@@ -51,6 +52,13 @@ from conveyor.load_client.sibling import load_sibling
 PROMPT = "The capital of France is"
 # what is timed a step, by its key in a side's record: the label it is reported under
 TIMED = {"c": "c_call", "head": "head", "step": "step"}
+# A baseline library built before the C entry points were renamed: this tree's name -> its.
+_NAMES_BEFORE = {
+    "decoder_layers_f32": "conveyor_decoder_layers",
+    "gemm_f32_f32": "conveyor_linear_f32",
+    "gemm_bf16_f32": "conveyor_linear_bf16",  # the build's bf16 GEMM either way
+    "gemm_bf16_bf16": "conveyor_linear_bf16",
+}
 _LIB_OF_SRC = (
     "from conveyor.model.cpu import cpu_kernels as k; m = k.load(); print(m.path if m else '')"
 )
@@ -67,6 +75,11 @@ def baseline_library(src: str) -> str:
     if not out:
         raise SystemExit(f"{src}: its C kernels did not build")
     return out
+
+
+def _bind(lib: ctypes.CDLL, name: str) -> Any:
+    """`lib`'s entry point `name`, or its name before the rename (an older baseline)."""
+    return getattr(lib, name) if hasattr(lib, name) else getattr(lib, _NAMES_BEFORE[name])
 
 
 def _quantiles(xs: list[float]) -> dict:
@@ -87,11 +100,11 @@ def run(model: str, dtype: str, baseline: str, rounds: int, tokens: int) -> dict
     sides: dict[str, dict[str, Any]] = {}
     for name, path in (("this_tree", ours), ("baseline", baseline)):
         lib = ctypes.CDLL(path)
-        layers = lib.conveyor_decoder_layers
+        layers = _bind(lib, fused._call.__name__)
         layers.argtypes, layers.restype = fused._call.argtypes, fused._call.restype
         heads = {}
         for wdtype, fn in kernels._linear.items():
-            theirs = getattr(lib, fn.__name__)
+            theirs = _bind(lib, fn.__name__)
             theirs.argtypes, theirs.restype = fn.argtypes, fn.restype
             heads[wdtype] = theirs
         sides[name] = {"path": path, "layers": layers, "heads": heads, **{k: [] for k in TIMED}}

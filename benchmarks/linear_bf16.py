@@ -4,7 +4,7 @@ Every linear of one decode step of a model shape (each layer's qkv, o, gate_up a
 the head), applied back to back to an [M, K] input for each --rows M, best of --repeats passes,
 interleaved. Sides (each one that runs on this CPU; the others say why not):
 
-  ours_f32        csrc/linear.c with float32 panels (linear_backend "cpu", dtype float32),
+  ours_f32        csrc/gemm.c with float32 panels (linear_backend "cpu", dtype float32),
                   the build's best path (-march=native: AVX-512 where the CPU has it)
   ours_bf16       the same on bfloat16 panels (dtype bfloat16): vdpbf16ps with x rounded to
                   bf16 where the CPU has AVX512-BF16, else the weights widened in registers

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conveyor.model.cpu import cpu_build, cpu_kernels
+from conveyor.model.cpu import cpu_build, cpu_kernels, kernel_structs
 
 needs_cc = pytest.mark.skipif(
     not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here"
@@ -192,7 +192,11 @@ def test_an_instruction_set_this_cpu_lacks_is_an_error_not_a_crash(cache, monkey
 # C parameter types as ctypes sees them: any pointer is a void pointer.
 _C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
 _C_RESTYPES = {"void": None, "int": ctypes.c_int}
-_PROTOTYPE = re.compile(r"^(void|int)\s+(conveyor_\w+)\s*\(([^)]*)\)\s*\{", re.MULTILINE)
+# An exported definition (CONVEYOR_EXPORT, as the preprocessor expands it).
+_PROTOTYPE = re.compile(
+    r'^__attribute__\(\(visibility\("default"\)\)\)\s+(void|int)\s+(\w+)\s*\(([^)]*)\)\s*\{',
+    re.MULTILINE,
+)
 
 
 def _ctype(param: str) -> type:
@@ -236,11 +240,42 @@ def test_every_ctypes_signature_matches_the_c_definition():
 @needs_cc
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 flags")
 def test_the_signature_check_catches_a_wrong_argument_count(monkeypatch):
-    name = "conveyor_rotary_f32"
+    name = "rotary_f32"
     argtypes, restype = cpu_kernels.SIGNATURES[name]
     monkeypatch.setitem(cpu_kernels.SIGNATURES, name, (argtypes[:-1], restype))
-    with pytest.raises(AssertionError, match="conveyor_rotary_f32: argument count"):
+    with pytest.raises(AssertionError, match="rotary_f32: argument count"):
         test_every_ctypes_signature_matches_the_c_definition()
+
+
+# The structs csrc/kernels.h declares and their ctypes mirrors.
+_STRUCTS = {
+    "attention_rows": kernel_structs.AttentionRowsC,
+    "attention_args": kernel_structs.AttentionArgsC,
+    "linear_desc": kernel_structs.LinearDescC,
+    "layer_desc": kernel_structs.LayerDescC,
+    "step_desc": kernel_structs.StepDescC,
+}
+
+
+@needs_cc
+def test_every_struct_mirror_has_the_c_layout(tmp_path):
+    # A field out of place would hand the kernels another field's bytes, not raise.
+    lines = ["#include <stdio.h>", '#include "kernels.h"', "int main(void) {"]
+    for name, mirror in _STRUCTS.items():
+        lines.append(f'printf("{name} %zu\\n", sizeof({name}));')
+        for field, _ in mirror._fields_:
+            lines.append(f'printf("{name}.{field} %zu\\n", offsetof({name}, {field}));')
+    src, exe = tmp_path / "layout.c", tmp_path / "layout"
+    src.write_text("\n".join([*lines, "return 0;", "}"]) + "\n")
+    cc = cpu_build.compiler()
+    subprocess.run([*cc, "-std=c11", "-I", str(cpu_build.CSRC), str(src), "-o", str(exe)],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    printed = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    c_layout = dict(line.rsplit(" ", 1) for line in printed.splitlines())
+    for name, mirror in _STRUCTS.items():
+        assert int(c_layout[name]) == ctypes.sizeof(mirror), name
+        for field, _ in mirror._fields_:
+            assert int(c_layout[f"{name}.{field}"]) == getattr(mirror, field).offset, field
 
 
 def _check_command(env_overrides: dict[str, str], tmp_path) -> subprocess.CompletedProcess:

@@ -380,7 +380,8 @@ def test_the_bf16_gemm_gives_the_same_bits_on_panels_one_to_a_group(kernels, row
     flat = padded.view(10, 16, (k + 1) // 2, 2).transpose(1, 2).contiguous()  # [P, K/2, 16, 2]
     x = torch.randn(rows, k)
     out = torch.empty(rows, n)
-    kernels.fns["conveyor_linear_bf16_grouped"](
+    grouped = kernels.fns.get("gemm_bf16_bf16_grouped", kernels.fns["gemm_bf16_f32_grouped"])
+    grouped(
         x.data_ptr(), k, rows, flat.data_ptr(), n, k, bias.data_ptr(), out.data_ptr(), n,
         torch.get_num_threads(), ctypes.c_int32(1),
     )  # fmt: skip

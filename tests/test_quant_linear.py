@@ -278,22 +278,22 @@ def test_activation_passes_are_one_or_two(kernels):
 
 @pytest.mark.parametrize("type_id, k", [(99, 64), (8, 48), (12, 288)])
 def test_every_c_entry_refuses_a_type_or_width_it_does_not_handle(kernels, type_id, k):
-    """The C entry points' one shape check (quant_blocks.h's quant_type_fits): an unknown type,
+    """The C entry points' one shape check (quant_types.c's quant_type_of): an unknown type,
     a Q8_0 width that is not whole blocks of 32, a Q4_K width that is not whole super-blocks
     of 256; each returns 1 and writes nothing."""
     w = torch.zeros(4096, dtype=torch.uint8)
     out = torch.full((2, k), 7.0)
     ids = torch.zeros(2, dtype=torch.int64)
     fns = kernels.fns
-    rows = fns["conveyor_quant_rows_f32"]
+    rows = fns["rows_gguf_f32"]
     assert rows(type_id, w.data_ptr(), 64, 16, k, ids.data_ptr(), 2, out.data_ptr(), k, 1) == 1
     xq = torch.zeros(4096, dtype=torch.uint8)
-    tiled = fns["conveyor_quant_linear_tiled_f32"]
+    tiled = fns["gemm_gguf_q8a"]
     args = (type_id, w.data_ptr(), 64, 16, k, xq.data_ptr(), 2, 1, None, out.data_ptr(), k, 1)
     assert tiled(*args, MAX_TILE) == 1
     if kernels.linear_isa == "avx512-bf16":
         x = torch.zeros(2, k)
-        gemm = fns["conveyor_quant_gemm_bf16"]
+        gemm = fns["gemm_gguf_bf16"]
         gemm_args = (w.data_ptr(), 64, 16, k, x.data_ptr(), k, 2, None, out.data_ptr(), k)
         assert gemm(type_id, *gemm_args, 1 << 20, 1) == 1
     assert torch.all(out == 7.0)

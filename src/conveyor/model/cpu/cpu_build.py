@@ -11,18 +11,24 @@ in its place) is rebuilt, never loaded.
 The instruction set: by default `-march=native` (what this CPU has). CONVEYOR_CPU_ISA forces a
 lower one, for CPUs without AVX2 or to test the portable paths on a machine that has it:
 
-    CONVEYOR_CPU_ISA   x86_64                      aarch64          the GEMM (linear.c)
+    CONVEYOR_CPU_ISA   x86_64                      aarch64          the GEMM (csrc/gemm_*.c)
     (unset)            -march=native               -march=native    the best this CPU has
-    portable           -march=x86-64 (SSE2)        -march=armv8-a   plain C (auto-vectorised)
+    portable           -march=x86-64 (SSE2)        -march=armv8-a   generic C (auto-vectorised)
     avx2               -march=x86-64-v3            (refused)        AVX2 + FMA
     avx512             -march=x86-64-v4            (refused)        AVX-512, bf16 widened
     avx512bf16         -march=x86-64-v4            (refused)        AVX-512, bf16 panels
                        -mavx512bf16                                 through vdpbf16ps
 
-The GGUF dot products (quant_x8.c, quant_k.c) take 512-bit registers wherever the build has
-AVX-512BW: dpbusd with AVX-512 VNNI (a native build on Zen 4/5, Ice Lake and later), maddubs
-without it (the avx512 and avx512bf16 levels), tiles of up to four activation rows per
-unpacked weight load; 256-bit maddubs one row at a time at avx2.
+The GGUF dot products (csrc/quant_x8_*.c, quant_k_*.c) take 512-bit registers wherever the
+build has AVX-512BW: dpbusd with AVX-512 VNNI (a native build on Zen 4/5, Ice Lake and later),
+maddubs without it (the avx512 and avx512bf16 levels), tiles of up to four activation rows
+per unpacked weight load; 256-bit maddubs one row at a time at avx2.
+
+Each kernel's variants for an instruction set live in files of their own (quant_k_avx512.c,
+gemm_avx2.c, ...), each compiled under its feature macro (csrc/kernels.h says which the flags
+allow); the `_generic` fallbacks compile in every build. The library is compiled with
+-fvisibility=hidden: its only exported symbols are the CONVEYOR_EXPORT entry points that
+cpu_kernels.SIGNATURES binds.
 
 The lower levels let tests run each kernel path on a machine that has a higher one
 (tests/test_cpu_isa.py); `python -m conveyor.model.cpu.cpu_kernels` says which GEMM a build has.
@@ -50,7 +56,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 ISA_ENV = "CONVEYOR_CPU_ISA"
 ISAS = ("native", "portable", "avx2", "avx512", "avx512bf16")
-_BASE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_BASE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fvisibility=hidden"]
 # x86-64 levels (the psABI's): what -march=x86-64-v3 / -v4 let the compiler use, by the names
 # /proc/cpuinfo gives those features.
 _X86_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}

@@ -2,7 +2,7 @@
 ctypes: the paged attention of the "cpu" attention backend (csrc/paged_attention.c), RMSNorm
 with its residual add fused in (csrc/rms_norm.c), the rotary embedding in place
 (csrc/rotary.c), the gated MLP's silu(gate) * up (csrc/silu_mul.c), the sampler's
-row-wise argmax (csrc/argmax.c), the linear layers of linear_backend "cpu" (csrc/linear.c,
+row-wise argmax (csrc/argmax.c), the linear layers of linear_backend "cpu" (csrc/gemm.c,
 weights packed by conveyor.model.cpu.linear.CpuLinear) and every decoder layer of a step in one
 call on those kernels (csrc/decoder_layers.c, wrapped by conveyor.model.cpu.fused_layers).
 
@@ -21,8 +21,10 @@ torch. `-fopenmp` links libgomp.so.1, which resolves to the copy torch has alrea
 kernels share torch's OpenMP threads instead of starting a second pool.
 
 Every C entry point's ctypes signature is in SIGNATURES, the one table the constructor binds
-from; tests/test_cpu_kernels.py checks it against the C prototypes in csrc/ (a wrong argument
-count would otherwise corrupt memory, not raise).
+from, under its C name (csrc/kernels.h: `<op>_<weight type>_<activation type>`, e.g.
+gemm_bf16_f32); tests/test_cpu_build.py checks it against the C definitions in csrc/ (a wrong
+argument count would otherwise corrupt memory, not raise). The attention takes its arguments
+as two structs, mirrored in kernel_structs.py.
 
 `python -m conveyor.model.cpu.cpu_kernels` builds and loads them and says what this machine runs
 (exit status 1 when they cannot be loaded: the Dockerfile's check).
@@ -40,56 +42,60 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.model.cpu import cpu_build
+from conveyor.model.cpu.kernel_structs import AttentionArgsC, AttentionRowsC
 
 logger = logging.getLogger(__name__)
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_ATTENTION_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64]
-_ATTENTION_ARGS += [_I32, _I32, _I32, _I32, _I32, _F32, _I32, _P, _I64, _P, _I64, _P, _I64, _I64]
 _NORM_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I32, _F32, _I32]
 _ROTARY_ARGS = [_P, _I64, _I64, _I32, _I32, _P, _P, _I32]
 _SILU_MUL_ARGS = [_P, _I64, _P, _I64, _I64, _I32, _I32]
 _ARGMAX_ARGS = [_P, _I64, _I64, _I64, _P, _I32]
-_LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I32]
+_GEMM_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I32]
+_ROWS_ARGS = [_P, _I64, _I64, _P, _I64, _P, _I64, _I32]
 _QUANTIZE_ARGS = [_P, _I64, _I64, _I64, _P, _I32, _I32]
-_QUANT_LINEAR_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _I32, _P, _P, _I64, _I32]
-_QUANT_TILED_ARGS = [*_QUANT_LINEAR_ARGS, _I32]
-_QUANT_ROWS_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32]
-_QUANT_GEMM_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I32]
-# Every exported C function: (argument types, return type), as csrc/ declares it.
+_GEMM_GGUF_Q8A_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _I32, _P, _P, _I64, _I32, _I32]
+_ROWS_GGUF_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32]
+_GEMM_GGUF_BF16_ARGS = [_I32, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I32]
+# Every exported C function (csrc/kernels.h's CONVEYOR_EXPORT entry points, named
+# <op>_<weight type>_<activation type>[_<form>]): (argument types, return type).
 SIGNATURES: dict[str, tuple[list, type | None]] = {
-    "conveyor_paged_attention_f32": (_ATTENTION_ARGS, ctypes.c_int),
-    "conveyor_paged_attention_bf16": (_ATTENTION_ARGS, ctypes.c_int),
-    "conveyor_add_rms_norm_f32": (_NORM_ARGS, None),
-    "conveyor_rms_norm_f32": (_NORM_ARGS, None),
-    "conveyor_rotary_f32": (_ROTARY_ARGS, None),
-    "conveyor_silu_mul_f32": (_SILU_MUL_ARGS, None),
-    "conveyor_argmax_f32": (_ARGMAX_ARGS, None),
-    "conveyor_nonfinite_rows_f32": (_ARGMAX_ARGS, ctypes.c_int),
-    "conveyor_linear_f32": (_LINEAR_ARGS, None),
-    "conveyor_linear_bf16": (_LINEAR_ARGS, None),
+    # attention_rows *, attention_args * (kernel_structs.py)
+    "paged_attention_f32_f32": ([_P, _P], ctypes.c_int),
+    "paged_attention_bf16_f32": ([_P, _P], ctypes.c_int),
+    "add_rms_norm_f32_f32": (_NORM_ARGS, None),
+    "rms_norm_f32_f32": (_NORM_ARGS, None),
+    "rotary_f32": (_ROTARY_ARGS, None),
+    "silu_mul_f32": (_SILU_MUL_ARGS, None),
+    "argmax_f32": (_ARGMAX_ARGS, None),
+    "nonfinite_rows_f32": (_ARGMAX_ARGS, ctypes.c_int),
+    "gemm_f32_f32": (_GEMM_ARGS, None),
+    "gemm_bf16_f32": (_GEMM_ARGS, None),  # bf16 weights widened, x float32
+    "gemm_bf16_bf16": (_GEMM_ARGS, None),  # vdpbf16ps, x rounded to bf16
     # bf16 panels one to a group (quant_gemm.c's slices) or PANEL_GROUP to one
-    "conveyor_linear_bf16_grouped": ([*_LINEAR_ARGS, _I32], None),
-    "conveyor_linear_bf16_widened": (_LINEAR_ARGS, None),
-    "conveyor_linear_f32_vectorized": ([], ctypes.c_int),
-    "conveyor_linear_isa": ([], ctypes.c_int),
-    "conveyor_linear_rows": ([_P, _I32, _I64, _I64, _P, _I64, _P, _I64, _I32], ctypes.c_int),
+    "gemm_bf16_f32_grouped": ([*_GEMM_ARGS, _I32], None),
+    "gemm_bf16_bf16_grouped": ([*_GEMM_ARGS, _I32], None),
+    "gemm_isa": ([], ctypes.c_int),
+    "rows_f32_f32": (_ROWS_ARGS, ctypes.c_int),
+    "rows_bf16_f32": (_ROWS_ARGS, ctypes.c_int),
     # GGUF blocks (conveyor.model.cpu.quant_linear wraps them)
-    "conveyor_quantize_q8a_f32": (_QUANTIZE_ARGS, None),
-    "conveyor_quant_linear_f32": (_QUANT_LINEAR_ARGS, ctypes.c_int),
-    "conveyor_quant_linear_tiled_f32": (_QUANT_TILED_ARGS, ctypes.c_int),
-    "conveyor_quant_rows_f32": (_QUANT_ROWS_ARGS, ctypes.c_int),
-    "conveyor_quant_gemm_bf16": (_QUANT_GEMM_ARGS, ctypes.c_int),
+    "quantize_q8a_f32": (_QUANTIZE_ARGS, None),
+    "gemm_gguf_q8a": (_GEMM_GGUF_Q8A_ARGS, ctypes.c_int),
+    "rows_gguf_f32": (_ROWS_GGUF_ARGS, ctypes.c_int),
+    "gemm_gguf_bf16": (_GEMM_GGUF_BF16_ARGS, ctypes.c_int),
     # every decoder layer of a step (conveyor.model.cpu.fused_layers wraps it)
-    "conveyor_decoder_layers": ([_P, _I32, *[_P] * 10], ctypes.c_int),
+    "decoder_layers_f32": ([_P, _I32, *[_P] * 10], ctypes.c_int),
 }
-# Output columns per panel of a packed weight (csrc/linear.c's NR), and panels per group:
-# a group's panels are stored line by line (csrc/linear.c's PANEL_GROUP).
+# The entry points only a build with AVX512-BF16 has (the vdpbf16ps GEMM and the GGUF prefill
+# on it): CpuKernels binds them where the library has them.
+BUILD_DEPENDENT = frozenset({"gemm_bf16_bf16", "gemm_bf16_bf16_grouped", "gemm_gguf_bf16"})
+# Output columns per panel of a packed weight (csrc/gemm_panels.h's NR), and panels per group:
+# a group's panels are stored line by line (csrc/gemm_panels.h's PANEL_GROUP).
 LINEAR_PANEL = 16
 LINEAR_PANEL_GROUP = 4
-# The GEMM a build has, by conveyor_linear_isa's number (csrc/linear.c): the portable loop,
-# AVX2 + FMA, AVX-512 (bf16 weights widened to float32), AVX-512 with bf16 panels through
-# vdpbf16ps (x rounded to bf16).
+# The GEMM a build has, by gemm_isa's number (csrc/kernels.h): the generic loop, AVX2 + FMA,
+# AVX-512 (bf16 weights widened to float32), AVX-512 with bf16 panels through vdpbf16ps (x
+# rounded to bf16).
 LINEAR_ISAS = ("portable", "avx2", "avx512", "avx512-bf16")
 
 
@@ -110,30 +116,36 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL, path: str = "") -> None:
         fns = {}
         for name, (argtypes, restype) in SIGNATURES.items():
+            if name in BUILD_DEPENDENT and not hasattr(lib, name):
+                continue
             fns[name] = fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
         self._attend = {
-            torch.float32: fns["conveyor_paged_attention_f32"],
-            torch.bfloat16: fns["conveyor_paged_attention_bf16"],
+            torch.float32: fns["paged_attention_f32_f32"],
+            torch.bfloat16: fns["paged_attention_bf16_f32"],
         }
-        self._add_norm = fns["conveyor_add_rms_norm_f32"]
-        self._norm = fns["conveyor_rms_norm_f32"]
-        self._rotary = fns["conveyor_rotary_f32"]
-        self._silu_mul = fns["conveyor_silu_mul_f32"]
-        self._argmax = fns["conveyor_argmax_f32"]
-        self._nonfinite_rows = fns["conveyor_nonfinite_rows_f32"]
+        self._add_norm = fns["add_rms_norm_f32_f32"]
+        self._norm = fns["rms_norm_f32_f32"]
+        self._rotary = fns["rotary_f32"]
+        self._silu_mul = fns["silu_mul_f32"]
+        self._argmax = fns["argmax_f32"]
+        self._nonfinite_rows = fns["nonfinite_rows_f32"]
+        # bf16 panels through vdpbf16ps where the build has it, else widened
         self._linear = {
-            torch.float32: fns["conveyor_linear_f32"],
-            torch.bfloat16: fns["conveyor_linear_bf16"],
+            torch.float32: fns["gemm_f32_f32"],
+            torch.bfloat16: fns.get("gemm_bf16_bf16", fns["gemm_bf16_f32"]),
         }
-        self._linear_widened = fns["conveyor_linear_bf16_widened"]
-        self._linear_rows = fns["conveyor_linear_rows"]
+        self._linear_widened = fns["gemm_bf16_f32"]
+        self._linear_rows = {
+            torch.float32: fns["rows_f32_f32"],
+            torch.bfloat16: fns["rows_bf16_f32"],
+        }
         # Which GEMM this build has (LINEAR_ISAS): what -march=native (or CONVEYOR_CPU_ISA)
         # let the compiler use.
-        self.linear_isa = LINEAR_ISAS[fns["conveyor_linear_isa"]()]
+        self.linear_isa = LINEAR_ISAS[fns["gemm_isa"]()]
         # Whether the GEMM is a vector kernel, AVX2 + FMA or above (a portable build has a
         # plain C one: correct, but linear_backend "auto" prefers oneDNN to it).
-        self.linear_vectorized = bool(fns["conveyor_linear_f32_vectorized"]())
+        self.linear_vectorized = self.linear_isa != "portable"
         self.path = path
         self.fns = fns  # every entry point, for modules that wrap their own (quant_linear.py)
 
@@ -260,10 +272,9 @@ class CpuKernels:
         if ids.dim() != 1 or ids.dtype != torch.int64 or not ids.is_contiguous():
             flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(flat.numel(), k, dtype=torch.float32)
-        bf16 = int(packed.dtype == torch.bfloat16)
         threads = torch.get_num_threads()
-        if self._linear_rows(
-            packed.data_ptr(), bf16, n, k, flat.data_ptr(), flat.numel(), out.data_ptr(), k, threads
+        if self._linear_rows[packed.dtype](
+            packed.data_ptr(), n, k, flat.data_ptr(), flat.numel(), out.data_ptr(), k, threads
         ):
             raise ValueError(f"a token id is outside the vocabulary [0, {n}).")
         return out if flat is ids else out.view(*ids.shape, k)
@@ -351,16 +362,17 @@ class CpuKernels:
         n = rows.numel()
         if any(x.shape != (n,) or (n and x.stride(0) != 1) for x in (rows, batch, *ends)):
             raise ValueError("rows, batch, key_end and key_begin need one contiguous entry a row.")
-        args = (
-            block_tables.data_ptr(),
-            block_tables.stride(0),
-            None if key_begin is None else key_begin.data_ptr(),
-            key_end.data_ptr(),
-            rows.data_ptr(),
-            batch.data_ptr(),
-            n,
+        c = AttentionRowsC(
+            block_tables=block_tables.data_ptr(),
+            bt_stride=block_tables.stride(0),
+            key_begin=None if key_begin is None else key_begin.data_ptr(),
+            key_end=key_end.data_ptr(),
+            rows=rows.data_ptr(),
+            batch=batch.data_ptr(),
+            n=n,
+            max_keys=max_keys,
         )
-        return AttentionRows(rows, batch, key_end, key_begin, block_tables, max_keys, args)
+        return AttentionRows(rows, batch, key_end, key_begin, block_tables, max_keys, c)
 
     def paged_attention(
         self,
@@ -399,8 +411,22 @@ class CpuKernels:
                 raise ValueError(f"{name} needs contiguous heads, got strides {x.stride()}.")
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous.")
-        k_new = v_new = slots = None
-        n_new = k_stride = v_stride = 0
+        args = AttentionArgsC(
+            q=q.data_ptr(),
+            q_stride=q.stride(0),
+            out=out.data_ptr(),
+            out_stride=out.stride(0),
+            k_cache=kv_cache.data_ptr(),
+            # V: the second half
+            v_cache=kv_cache.data_ptr() + kv_cache.element_size() * kv_cache.stride(0),
+            hq=hq,
+            hkv=hkv,
+            d=d,
+            block_size=block_size,
+            scale=scale,
+            num_threads=torch.get_num_threads(),
+            num_slots=nb * block_size,
+        )
         if new_kv is not None:
             k_new, v_new, slots = new_kv
             n_new = slots.numel()
@@ -411,32 +437,10 @@ class CpuKernels:
                     raise ValueError(f"new {name} needs contiguous heads, got {x.stride()}.")
             if slots.dtype != torch.int64 or slots.stride(0) != 1:
                 raise ValueError("slots must be a contiguous int64 tensor.")
-            k_stride, v_stride = k_new.stride(0), v_new.stride(0)
-            k_new, v_new, slots = k_new.data_ptr(), v_new.data_ptr(), slots.data_ptr()
-        k_cache = kv_cache.data_ptr()
-        failed = self._attend[kv_cache.dtype](
-            q.data_ptr(),
-            q.stride(0),
-            out.data_ptr(),
-            out.stride(0),
-            k_cache,
-            k_cache + kv_cache.element_size() * kv_cache.stride(0),  # V: the second half
-            *rows.args,
-            hq,
-            hkv,
-            d,
-            block_size,
-            rows.max_keys,
-            scale,
-            torch.get_num_threads(),
-            k_new,
-            k_stride,
-            v_new,
-            v_stride,
-            slots,
-            n_new,
-            nb * block_size,
-        )
+            args.new_k, args.new_k_stride = k_new.data_ptr(), k_new.stride(0)
+            args.new_v, args.new_v_stride = v_new.data_ptr(), v_new.stride(0)
+            args.slots, args.n_new = slots.data_ptr(), n_new
+        failed = self._attend[kv_cache.dtype](ctypes.byref(rows.c), ctypes.byref(args))
         if failed & 4:
             raise ValueError(f"a new token's cache slot is outside [0, {nb * block_size}).")
         if failed & 2:
@@ -450,7 +454,7 @@ class CpuKernels:
 @dataclass(frozen=True, slots=True)
 class AttentionRows:
     """One step's attention rows, checked (CpuKernels.attention_rows), and the kernel's
-    arguments for them; the tensors stay referenced while the pointers are in use."""
+    struct of them; the tensors stay referenced while the pointers are in use."""
 
     rows: torch.Tensor  # int64 [n]: the query rows the kernel attends
     batch: torch.Tensor  # int64 [n]: each one's request (block table row)
@@ -458,7 +462,7 @@ class AttentionRows:
     key_begin: torch.Tensor | None  # int32 [n]: its first key position (None: 0)
     block_tables: torch.Tensor
     max_keys: int
-    args: tuple  # block_tables, its row stride, key_begin, key_end, rows, batch, n
+    c: AttentionRowsC  # the kernel's attention_rows: pointers into the tensors above
 
 
 @functools.cache

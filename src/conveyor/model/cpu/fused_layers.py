@@ -31,6 +31,13 @@ from torch import nn
 
 from conveyor.model.attention.cpu_attention import CpuAttentionBackend, _CpuPlan, _make_plan
 from conveyor.model.attention.torch_attention import step_plan
+from conveyor.model.cpu.kernel_structs import (
+    MAX_PARTS,
+    AttentionRowsC,
+    LayerDescC,
+    LinearDescC,
+    StepDescC,
+)
 from conveyor.model.cpu.linear import CpuLinear
 from conveyor.model.cpu.quant_linear import _Q8A_BYTES, BLOCK, QuantLinear
 from conveyor.model.models.layers import GatedMLP, RMSNorm
@@ -40,83 +47,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_MAX_PARTS = 4  # csrc/decoder_layers.c's MAX_PARTS
 
-
-class _Linear(ctypes.Structure):
-    _fields_ = [
-        ("kind", _I32),
-        ("parts", _I32),
-        ("n", _I64),
-        ("k", _I64),
-        ("panels", _P),
-        ("bias", _P),
-        ("qtype", _I32 * _MAX_PARTS),
-        ("w", _P * _MAX_PARTS),
-        ("ldw", _I64 * _MAX_PARTS),
-        ("rows", _I64 * _MAX_PARTS),
-        ("start", _I64 * _MAX_PARTS),
-        ("qbias", _P * _MAX_PARTS),
-    ]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("in_norm", _P),
-        ("post_norm", _P),
-        ("in_eps", _F32),
-        ("post_eps", _F32),
-        ("rows_set", _I32),
-        ("k_cache", _P),
-        ("v_cache", _P),
-        ("qkv", _Linear),
-        ("o", _Linear),
-        ("gate_up", _Linear),
-        ("down", _Linear),
-    ]
-
-
-class _Rows(ctypes.Structure):
-    _fields_ = [
-        ("block_tables", _P),
-        ("bt_stride", _I64),
-        ("key_begin", _P),
-        ("key_end", _P),
-        ("rows", _P),
-        ("batch", _P),
-        ("n", _I64),
-        ("max_keys", _I32),
-    ]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        ("t", _I64),
-        ("hidden", _I32),
-        ("hq", _I32),
-        ("hkv", _I32),
-        ("d", _I32),
-        ("inter", _I32),
-        ("block_size", _I32),
-        ("kv_bf16", _I32),
-        ("passes", _I32),
-        ("num_threads", _I32),
-        ("scale", _F32),
-        ("positions", _P),
-        ("cos_sin", _P),
-        ("slots", _P),
-        ("num_slots", _I64),
-        ("final_norm", _P),
-        ("final_eps", _F32),
-    ]
-
-
-def _describe_linear(module: nn.Module) -> _Linear | None:
+def _describe_linear(module: nn.Module) -> LinearDescC | None:
     """The C description of a CpuLinear or QuantLinear; None for any other linear."""
     if not isinstance(module, CpuLinear | QuantLinear):
         return None
-    d = _Linear()
+    d = LinearDescC()
     d.n, d.k = module.out_features, module.in_features
     if isinstance(module, CpuLinear):
         packed = module.packed_weight
@@ -130,7 +66,7 @@ def _describe_linear(module: nn.Module) -> _Linear | None:
         d.bias = None if bias is None else bias.data_ptr()
         return d
     launches = module._launches()  # a QuantLinear: its pieces
-    if len(launches) > _MAX_PARTS:
+    if len(launches) > MAX_PARTS:
         return None
     d.kind, d.parts = 2, len(launches)
     for i, (type_id, w, ldw, n, bias, start) in enumerate(launches):
@@ -156,8 +92,8 @@ class FusedLayers:
         cfg = model.kv_config
         self.model = model  # keeps every weight the descriptors point at alive
         self.kernels = kernels
-        self._call = kernels.fns["conveyor_decoder_layers"]
-        self._layers = layers  # ctypes array of _Layer
+        self._call = kernels.fns["decoder_layers_f32"]
+        self._layers = layers  # ctypes array of LayerDescC
         self._windows = windows  # the distinct sliding windows, in rows_set order
         self._n = len(layers)
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
@@ -173,12 +109,12 @@ class FusedLayers:
         self._caches_of: tuple[int, int] | None = None  # (id, first pointer) described
         # The step's description, reused: each call sets the fields that change.
         norm = model.model.norm
-        self._step = _Step(
+        self._step = StepDescC(
             hidden=self.hidden, hq=self.hq, hkv=self.hkv, d=self.d, inter=self.inter,
             scale=model.model.layers[0].self_attn.scale, cos_sin=self._cos_sin.data_ptr(),
             final_norm=norm.weight.data_ptr(), final_eps=norm.eps,
         )  # fmt: skip
-        self._row_sets = (_Rows * len(windows))()
+        self._row_sets = (AttentionRowsC * len(windows))()
         # Float32 scratch a token (o, qkv, attn, gate_up, act), each part on a 64-byte line.
         h, i, w = self.hidden, self.inter, (self.hq + 2 * self.hkv) * self.d
         self._part_widths = (h, w, self.hq * self.d, 2 * i, i)
@@ -192,7 +128,7 @@ class FusedLayers:
             return None
         layers = model.model.layers
         windows: list = []
-        descs = (_Layer * len(layers))()
+        descs = (LayerDescC * len(layers))()
         for desc, layer in zip(descs, layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             linears = [_describe_linear(m) for m in (attn.qkv_proj, attn.o_proj,
@@ -263,7 +199,7 @@ class FusedLayers:
             return None
         step, row_sets = self._step, self._row_sets
         plans = []
-        for rs, window in zip(row_sets, self._windows, strict=True):
+        for i, window in enumerate(self._windows):
             plan = step_plan(
                 meta,
                 window,
@@ -273,10 +209,7 @@ class FusedLayers:
             if plan.chunks:  # a chunk long enough for SDPA: the modules run this step
                 return None
             plans.append(plan)
-            rows = plan.kernel_rows
-            (rs.block_tables, rs.bt_stride, rs.key_begin, rs.key_end, rs.rows, rs.batch,
-             rs.n) = rows.args  # fmt: skip
-            rs.max_keys = rows.max_keys
+            row_sets[i] = plan.kernel_rows.c  # a copy of the step's checked rows
         passes = self._passes_of.passes if self._passes_of is not None else 1
         # One allocation for the scratch and the quantized activations, parts 64-byte aligned.
         parts = [-(-t * w // 16) * 16 for w in self._part_widths]
@@ -314,7 +247,7 @@ def _why_not(model: nn.Module, kernels: Any) -> str:
     """Why `model` cannot run its layers in one call ("" when it can)."""
     from conveyor.model.models.llama import LlamaAttention, LlamaDecoderLayer
 
-    if kernels is None or "conveyor_decoder_layers" not in kernels.fns:
+    if kernels is None or "decoder_layers_f32" not in kernels.fns:
         return "no C kernels"
     if getattr(model, "tp", None) is not None:
         return "tensor parallel"

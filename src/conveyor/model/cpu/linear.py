@@ -4,7 +4,7 @@
 counts of a decode step (one row per running sequence) that costs more than the
 multiplication. Both packed backends lay the weight out once:
 
-- "cpu" (CpuLinear): panels of 16 output columns, float32 or bfloat16, for csrc/linear.c's
+- "cpu" (CpuLinear): panels of 16 output columns, float32 or bfloat16, for csrc/gemm.c's
   kernel, which streams each weight once per step and keeps a block of outputs in
   registers: AVX-512 (16 rows x 16 columns of zmm) or AVX2 (6 x 16) by what the build has,
   bf16 panels through vdpbf16ps where the CPU has AVX512-BF16 (x rounded to bf16 then), a
@@ -123,9 +123,9 @@ class PackedLinear(nn.Module):
 def group_panels(panels: torch.Tensor, split: bool = False) -> torch.Tensor:
     """[P, L, ...] panels (L 64-byte lines each) -> [P * L, ...] in groups of
     LINEAR_PANEL_GROUP panels stored line by line: each group's line 0 of every panel, then
-    line 1, ... (the last group holds the panels left over), as csrc/linear.c reads them.
+    line 1, ... (the last group holds the panels left over), as csrc/gemm_panels.h reads them.
     `split` (bf16 panels on a vdpbf16ps build): with an odd number of whole groups the middle
-    one is stored as two groups of half as many panels (csrc/linear.c's split_group: two
+    one is stored as two groups of half as many panels (csrc/gemm_panels.h's split_group: two
     threads' shares of a decode step each one stream)."""
     group = cpu_kernels.LINEAR_PANEL_GROUP
     whole = panels.shape[0] // group
@@ -146,11 +146,11 @@ def group_panels(panels: torch.Tensor, split: bool = False) -> torch.Tensor:
 
 
 class CpuLinear(nn.Module):
-    """y = x @ W.T + b through csrc/linear.c, W held in 16-column panels (inference only).
+    """y = x @ W.T + b through csrc/gemm.c, W held in 16-column panels (inference only).
 
     `weight_dtype` float32 keeps W exactly, a panel's line one k's 16 weights; bfloat16 holds
     it in half the bytes (rounded to nearest), a line one pair of k's 16 pairs ([16, 2]: k in
-    pairs, the operand vdpbf16ps takes; linear.c). The panels are stored in groups of four,
+    pairs, the operand vdpbf16ps takes; gemm_panels.h). The panels are stored in groups of four,
     line by line (group_panels; in bf16 on vdpbf16ps, the middle of an odd number of groups
     as two pairs), so a decode step's thread reads its share as one stream. x, b and y are
     float32 either way; where the build has AVX512-BF16 (`kernels.linear_isa`

@@ -2,10 +2,11 @@
 
 A GGUF file's Q8_0, Q4_0, Q4_1 tensors and the K-quants Q4_K, Q5_K and Q6_K (Q4_K_M's
 types) stay in memory as the file has them (4.5 to 8.5 bits a weight instead of fp32's 32)
-and run through csrc/quant_linear.c (and quant_k.c): each step quantizes the activations per
-block of 32 to 8 bits and takes integer dot products with the weight blocks (the formats' own
-design; the kernels' headers have the arithmetic). Other types (Q5_0, Q2_K, F16, BF16, ...)
-are dequantized at load as before, with a log line saying so.
+and run through csrc/quant_linear.c (the dot products in quant_x8_*.c and quant_k_*.c): each
+step quantizes the activations per block of 32 to 8 bits and takes integer dot products with
+the weight blocks (the formats' own design; the kernels' headers have the arithmetic). Other
+types (Q5_0, Q2_K, F16, BF16, ...) are dequantized at load as before, with a log line saying
+so.
 
     QuantTensor     a weight's blocks: uint8 [rows, row bytes], its type and (rows, cols)
     QuantLinear     y = x @ W.T + b over one or more QuantTensors stacked by rows (a fused
@@ -40,7 +41,7 @@ QUANT_TYPES = {
 BLOCK = 32  # activations are quantized per 32
 # From this many rows of x (a long prefill chunk) a QuantLinear stops running the integer
 # kernels, whose cost grows with every row, and dequantizes its weight a slice at a time into
-# a GEMM instead: bf16 panels through linear.c's vdpbf16ps GEMM on a build with AVX512-BF16
+# a GEMM instead: bf16 panels through gemm.c's vdpbf16ps GEMM on a build with AVX512-BF16
 # (csrc/quant_gemm.c; 1.2-1.7x faster than the AVX-512 integer kernels' two passes at 256
 # rows and more, by type), float32 through oneDNN's GEMM on AVX2 and portable builds, where the
 # integer kernels take one activation row at a time. AVX-512 without BF16 keeps its tiled
@@ -52,7 +53,7 @@ _PANEL_SLICE_BYTES = 16 << 20  # bf16 panels per GEMM call of the AVX512-BF16 pa
 _Q8A_BYTES = 40  # one activation block: float d, float s, int8 q[32]
 # Every kept type runs on rows interleaved GROUP at a time (interleave_groups): bytes per
 # block of such a group (the K-quants' 6-bit scales decoded to bytes: 2-3% more).
-GROUP = 16  # csrc/quant_blocks.h's QG
+GROUP = 16  # csrc/kernels.h's QG
 _GROUP_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q4_1": 320, "Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3360}
 # Activation rows that share one pass over a group's unpacked weights (csrc's QT).
 MAX_TILE = 4
@@ -122,7 +123,7 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _interleaved_pieces(qtype: str, b: np.ndarray) -> list[np.ndarray]:
     """A group's blocks b [groups, GROUP, blocks, block bytes] in csrc's interleaved order."""
-    if qtype == "Q8_0":  # the quants + 128, unsigned (csrc/quant_x8.c)
+    if qtype == "Q8_0":  # the quants + 128, unsigned (csrc/quant_layout.h)
         return [_side(b[..., 0:2], 2), _quads(b[..., 2:34] ^ np.uint8(128), 32)]
     if qtype == "Q4_0":
         return [_side(b[..., 0:2], 2), _quads(b[..., 2:18], 16)]
@@ -146,7 +147,7 @@ def gemm_rows(kernels: Any) -> int | None:
 
 
 def interleave_groups(weight: QuantTensor) -> QuantTensor:
-    """A weight's bytes as csrc/quant_x8.c and quant_k.c read them: uint8 [ceil(rows / 16),
+    """A weight's bytes as csrc/quant_layout.h lays them out: uint8 [ceil(rows / 16),
     group bytes], each group of sixteen rows (zero rows pad the last) block by block, each
     block's fields for the group's rows side by side (the kernels' headers give the layouts).
     The file's bytes reordered (the K-quants' packed 6-bit scales decoded to bytes, Q8_0's
@@ -209,12 +210,10 @@ class QuantLinear(nn.Module):
         self.max_tile = MAX_TILE
         self.gemm_rows = gemm_rows(kernels)  # None: never the dequantized GEMM
         # the GEMM on bf16 panels (quant_gemm.c) where the build has vdpbf16ps
-        self._bf16_gemm = (
-            kernels.fns["conveyor_quant_gemm_bf16"] if kernels.linear_isa == "avx512-bf16" else None
-        )
-        self._quantize = kernels.fns["conveyor_quantize_q8a_f32"]
-        self._linear = kernels.fns["conveyor_quant_linear_tiled_f32"]
-        self._rows = kernels.fns["conveyor_quant_rows_f32"]
+        self._bf16_gemm = kernels.fns.get("gemm_gguf_bf16")
+        self._quantize = kernels.fns["quantize_q8a_f32"]
+        self._linear = kernels.fns["gemm_gguf_q8a"]
+        self._rows = kernels.fns["rows_gguf_f32"]
 
     def _apply(self, fn, recurse=True):  # .to() and friends may move the buffers
         self._plan = None
@@ -299,7 +298,7 @@ class QuantLinear(nn.Module):
             )  # fmt: skip
             if failed == 3:
                 raise MemoryError("the bf16 GEMM could not allocate its weight panels.")
-            if failed:  # 1: a type it does not take, 2: a build without its kernel
+            if failed:  # 1: a type it does not take
                 raise ValueError(f"the bf16 GEMM cannot run type {type_id} here (code {failed}).")
         return out
 
@@ -314,7 +313,7 @@ class QuantEmbedding(nn.Module):
         weight = interleave_groups(weight)  # as the tied head will read it
         self.interleaved = weight.interleaved
         self.register_buffer("qweight", weight.data, persistent=False)
-        self._rows = kernels.fns["conveyor_quant_rows_f32"]
+        self._rows = kernels.fns["rows_gguf_f32"]
         self._kernels = kernels
 
     def as_linear(self) -> QuantLinear:

@@ -13,6 +13,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
 
 static inline float inv_rms(const float *row, int hidden, float eps)
@@ -23,8 +25,8 @@ static inline float inv_rms(const float *row, int hidden, float eps)
     return 1.f / sqrtf(ss / (float)hidden + eps);
 }
 
-void cv_add_rms_norm_team(float *x, int64_t x_stride, float *residual, int64_t r_stride,
-                          const float *w, int64_t rows, int hidden, float eps)
+void add_rms_norm_f32_f32_team(float *x, int64_t x_stride, float *residual, int64_t r_stride,
+                               const float *w, int64_t rows, int hidden, float eps)
 {
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows; i++) {
@@ -38,16 +40,16 @@ void cv_add_rms_norm_team(float *x, int64_t x_stride, float *residual, int64_t r
     }
 }
 
-void conveyor_add_rms_norm_f32(float *x, int64_t x_stride, float *residual, int64_t r_stride,
-                               const float *w, int64_t rows, int hidden, float eps,
-                               int num_threads)
+CONVEYOR_EXPORT void add_rms_norm_f32_f32(float *x, int64_t x_stride, float *residual,
+                                          int64_t r_stride, const float *w, int64_t rows,
+                                          int hidden, float eps, int num_threads)
 {
     #pragma omp parallel num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
-    cv_add_rms_norm_team(x, x_stride, residual, r_stride, w, rows, hidden, eps);
+    add_rms_norm_f32_f32_team(x, x_stride, residual, r_stride, w, rows, hidden, eps);
 }
 
-void cv_rms_norm_team(const float *x, int64_t x_stride, float *out, int64_t out_stride,
-                      const float *w, int64_t rows, int hidden, float eps)
+void rms_norm_f32_f32_team(const float *x, int64_t x_stride, float *out, int64_t out_stride,
+                           const float *w, int64_t rows, int hidden, float eps)
 {
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows; i++) {
@@ -59,9 +61,10 @@ void cv_rms_norm_team(const float *x, int64_t x_stride, float *out, int64_t out_
     }
 }
 
-void conveyor_rms_norm_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride,
-                           const float *w, int64_t rows, int hidden, float eps, int num_threads)
+CONVEYOR_EXPORT void rms_norm_f32_f32(const float *x, int64_t x_stride, float *out,
+                                      int64_t out_stride, const float *w, int64_t rows,
+                                      int hidden, float eps, int num_threads)
 {
     #pragma omp parallel num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
-    cv_rms_norm_team(x, x_stride, out, out_stride, w, rows, hidden, eps);
+    rms_norm_f32_f32_team(x, x_stride, out, out_stride, w, rows, hidden, eps);
 }

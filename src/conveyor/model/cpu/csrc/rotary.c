@@ -8,14 +8,16 @@
  */
 #include <stdint.h>
 
+#include "kernels.h"
+
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
 
 /* Every thread of a running parallel region calls it (decoder_layers.c): the rows split among
  * the team by OpenMP's static schedule, and it returns at once, with no barrier: a thread may
  * go on to its own rows of another static loop over as many rows (the same rows, by
  * OpenMP's rule for static schedules), and the team's next barrier completes them all. */
-void cv_rotary_team_nowait(float *x, int64_t row_stride, int64_t rows, int num_heads,
-                           int d, const int64_t *positions, const float *cos_sin)
+void rotary_f32_team_nowait(float *x, int64_t row_stride, int64_t rows, int num_heads, int d,
+                            const int64_t *positions, const float *cos_sin)
 {
     const int half = d / 2;
     #pragma omp for schedule(static) nowait
@@ -35,9 +37,9 @@ void cv_rotary_team_nowait(float *x, int64_t row_stride, int64_t rows, int num_h
     }
 }
 
-void conveyor_rotary_f32(float *x, int64_t row_stride, int64_t rows, int num_heads, int d,
-                         const int64_t *positions, const float *cos_sin, int num_threads)
+CONVEYOR_EXPORT void rotary_f32(float *x, int64_t row_stride, int64_t rows, int num_heads, int d,
+                                const int64_t *positions, const float *cos_sin, int num_threads)
 {
     #pragma omp parallel num_threads(num_threads) if (rows * num_heads * d >= PARALLEL_MIN_ELEMENTS)
-    cv_rotary_team_nowait(x, row_stride, rows, num_heads, d, positions, cos_sin);
+    rotary_f32_team_nowait(x, row_stride, rows, num_heads, d, positions, cos_sin);
 }

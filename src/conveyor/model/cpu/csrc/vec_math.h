@@ -1,10 +1,39 @@
-/* Vector math shared by the CPU kernels (AVX2 + FMA builds only: CONVEYOR_AVX2 says so). */
+/* Inline math shared by the CPU kernels: bfloat16 to and from float32, and e^x eight at a
+ * time (AVX2 + FMA builds: CONVEYOR_AVX2, kernels.h). */
 #ifndef CONVEYOR_VEC_MATH_H
 #define CONVEYOR_VEC_MATH_H
 
-#if defined(__AVX2__) && defined(__FMA__)
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* A bf16 is the top half of its float32: widening is a shift. */
+static inline float bf16_to_f32(uint16_t x)
+{
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Rounded to nearest even (a NaN stays a quiet NaN). */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Every 64-byte line of a row into the cache. */
+static inline void prefetch_row(const void *row, size_t bytes)
+{
+    for (size_t c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)row + c);
+}
+
+#ifdef CONVEYOR_AVX2
 #include <immintrin.h>
-#define CONVEYOR_AVX2 1
 
 /* e^x for x <= 0, eight at a time: x = n ln2 + r with |r| <= ln2 / 2, Cephes' degree-7
  * polynomial for e^r, times 2^n; 0 below the float range. Within 1 ulp of glibc's expf over

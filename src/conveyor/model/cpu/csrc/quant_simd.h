@@ -1,34 +1,16 @@
-/* What the GGUF block kernels share (quant_x8.c: the 32-weight types; quant_k.c: the
- * 256-weight K-quants; quant_linear.c calls them): the activation blocks, the row groups,
- * float16 scales and the integer dot. */
-#ifndef CONVEYOR_QUANT_BLOCKS_H
-#define CONVEYOR_QUANT_BLOCKS_H
+/* Inline helpers of the GGUF block kernels (quant_x8_*.c, quant_k_*.c, quant_linear.c):
+ * float16 scales, the integer dot of unsigned and signed bytes, broadcasts of activation
+ * quants, the weights' software prefetch and the bf16 panel columns. */
+#ifndef CONVEYOR_QUANT_SIMD_H
+#define CONVEYOR_QUANT_SIMD_H
 
 #include <stdint.h>
 #include <string.h>
 
-#include "vec_math.h"
-#ifdef __F16C__
+#include "kernels.h"
+#if defined(__F16C__) || defined(CONVEYOR_AVX2)
 #include <immintrin.h>
 #endif
-
-#define QK 32    /* weights per activation block (and per Q8_0 / Q4_0 / Q4_1 block) */
-#define QK_K 256 /* weights per K-quant super-block */
-/* Weight rows per interleaved group (quant_linear.py's interleave_groups): one 512-bit
- * register holds four consecutive quants of each of the sixteen rows, one int32 lane a row. */
-#define QG 16
-/* Activation rows per tile: the most rows of x one pass over a group's unpacked weights
- * serves (quant_x8.c and quant_k.c's tile kernels take 1 .. QT). */
-#define QT 4
-
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* GGML's type ids */
-
-typedef struct {
-    float d, s; /* scale, and d * sum(q) */
-    int8_t q[QK];
-} q8a_block; /* 40 bytes: one block of 32 activations */
-
-_Static_assert(sizeof(q8a_block) == 40, "q8a_block layout");
 
 /* IEEE half to float (normal, subnormal, inf and NaN), for builds without F16C. */
 static inline float half_to_float_soft(uint16_t h)
@@ -82,8 +64,7 @@ static inline __m256i quad(const int8_t *q, int g)
     return _mm256_set1_epi32(v);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define CONVEYOR_AVX512 1
+#ifdef CONVEYOR_AVX512
 
 /* The 512-bit forms, for a quad run of a whole group loaded at once (lane i: row i's four
  * quants). dpbusd where the build has AVX-512 VNNI, else AVX-512BW's maddubs + madd: the
@@ -133,9 +114,8 @@ static inline __m512 bytes16(const uint8_t *p, int is_signed)
     return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw));
 }
 
-#ifdef __AVX512BF16__
-#define CONVEYOR_QUANT_PANELS 1
-/* Four columns of a group's sixteen rows as bf16 (quant_gemm.c's panels): byte b of each
+#ifdef CONVEYOR_QUANT_PANELS
+/* Four columns of a group's sixteen rows as bf16 (the panel functions'): byte b of each
  * int32 lane of q (row i's lane i) less `off`, times scale less mn, is row i's weight in
  * column b; columns 0, 1 go to pair[0 .. 32), 2, 3 to pair[32 .. 64) (each 32-bit word one
  * row's pair, the even column in its low half), rounded to nearest even. */
@@ -160,42 +140,5 @@ static inline void panel_columns4(__m512i q, int off, __m512 scale, __m512 mn, u
 #endif
 
 #endif
-
-/* quant_x8.c: bytes per block of an interleaved group of QG rows (0: not such a type); a
- * group's QG dot products with `rows` (1 .. QT) activation rows, ldx blocks apart (x2: their
- * second pass, or NULL; xsum: the activation sums below, NULL for other types),
- * out[r * QG + i] for activation row r and weight row i; row
- * r (< QG) of a group dequantized. */
-int64_t quant_x8_block_bytes(int qtype);
-void quant_x8_tile_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *x,
-                       const q8a_block *x2, int64_t ldx, int rows, const int32_t *xsum,
-                       float *out);
-void quant_x8_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float *out);
-
-/* quant_k.c, the same for the K-quants (bytes per super-block of an interleaved group). */
-int64_t quant_k_block_bytes(int qtype);
-void quant_k_tile_dot(int qtype, const uint8_t *w, int64_t k, const q8a_block *x,
-                      const q8a_block *x2, int64_t ldx, int rows, const int32_t *xsum,
-                      float *out);
-void quant_k_row_dequantize(int qtype, const uint8_t *w, int r, int64_t k, float *out);
-
-/* Whether these files handle type qtype at width k (whole blocks, whole super-blocks for the
- * K-quants): the one check of every entry point. */
-static inline int quant_type_fits(int qtype, int64_t k)
-{
-    if (quant_k_block_bytes(qtype) > 0) return k % QK_K == 0;
-    return quant_x8_block_bytes(qtype) > 0 && k % QK == 0;
-}
-
-/* With AVX512-BF16 (CONVEYOR_QUANT_PANELS): a group's sixteen rows, k weights each, as one
- * bf16 panel [k / 2][16][2] (linear.c's layout; quant_gemm.c), the weights those of
- * *_row_dequantize rounded to nearest even. */
-void quant_x8_group_panel(int qtype, const uint8_t *w, int64_t k, uint16_t *panel);
-void quant_k_group_panel(int qtype, const uint8_t *w, int64_t k, uint16_t *panel);
-
-/* The activation sums the kernels' dpbusd paths start their integer sums from (xsum:
- * int32 [passes][m][k / 32][2], conveyor_quant_linear_f32 fills them for these two types):
- * Q6_K -32 times each half-block's sum of 16 quants (its q - 32 offset), Q8_0 -128 times the
- * block's sum of 32 (its weights are stored + 128, unsigned for dpbusd) and 0. */
 
 #endif

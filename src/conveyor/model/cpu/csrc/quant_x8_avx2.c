@@ -1,0 +1,103 @@
+/* Q8_0, Q4_0 and Q4_1 (quant_layout.h) against 8-bit activation blocks, AVX2: one activation
+ * row at a time, each half of the group (eight rows) in a 256-bit register, the integer dot
+ * by maddubs + madd (Q8_0's signed weights through the sign trick |w| x sign(qx, w)), or
+ * 256-bit dpbusd where the build has AVX-512 VNNI. The same sums as quant_x8_avx512.c.
+ */
+#include "kernels.h"
+
+#ifdef CONVEYOR_QUANT_AVX2
+
+#include "quant_layout.h"
+#include "quant_simd.h"
+
+/* The block's eight integer sums (half hf of the group) against one activation block. */
+static inline __attribute__((always_inline)) __m256i
+block_isums(int qtype, const uint8_t *q, const int8_t *qx)
+{
+    __m256i isum = _mm256_setzero_si256();
+    if (qtype == Q8_0) {
+        for (int g = 0; g < 8; g++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 4 * QG * g));
+            const __m256i w = _mm256_xor_si256(v, _mm256_set1_epi8(-128)); /* signed again */
+            /* unsigned |w| times qx carrying w's sign */
+            isum = dot_acc(isum, _mm256_sign_epi8(w, w), _mm256_sign_epi8(quad(qx, g), w));
+        }
+    } else {
+        const __m256i nib = _mm256_set1_epi8(15);
+        for (int g = 0; g < 4; g++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 4 * QG * g));
+            isum = dot_acc(isum, _mm256_and_si256(v, nib), quad(qx, g));
+            isum = dot_acc(isum, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), quad(qx, 4 + g));
+        }
+    }
+    return isum;
+}
+
+/* Eight rows' dot products (half hf of a group) with one activation row of nb blocks;
+ * inlined into one copy per type and pass count. */
+static inline __attribute__((always_inline)) void
+half_dot(const int qtype, const uint8_t *w, int hf, int64_t nb, const q8a_block *x,
+         const q8a_block *x2, float *out)
+{
+    const int64_t bytes = x8_block_bytes(qtype);
+    const int head = header_bytes(qtype);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * bytes, *q = p + head + 32 * hf;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * hf)));
+        float s = x[b].s;
+        acc0 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[b].d)),
+                               _mm256_cvtepi32_ps(block_isums(qtype, q, x[b].q)), acc0);
+        if (x2) {
+            acc1 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x2[b].d)),
+                                   _mm256_cvtepi32_ps(block_isums(qtype, q, x2[b].q)), acc1);
+            s += x2[b].s;
+        }
+        if (qtype == Q4_1) {
+            const __m256 m =
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * QG + 16 * hf)));
+            acc1 = _mm256_fmadd_ps(m, _mm256_set1_ps(s), acc1);
+        } else if (qtype == Q4_0) {
+            acc1 = _mm256_fmadd_ps(d, _mm256_set1_ps(-8.f * s), acc1);
+        }
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
+}
+
+/* One activation row at a time, each half of the group in turn; inlined into one copy per
+ * type. */
+static inline __attribute__((always_inline)) void
+tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const q8a_block *x2,
+         int64_t ldx, int rows, float *out)
+{
+    const int64_t nb = k / QK;
+    for (int t = 0; t < rows; t++)
+        for (int hf = 0; hf < 2; hf++) {
+            const q8a_block *xt = x + t * ldx;
+            float *o = out + QG * t + 8 * hf;
+            if (x2)
+                half_dot(qtype, w, hf, nb, xt, x2 + t * ldx, o);
+            else
+                half_dot(qtype, w, hf, nb, xt, 0, o);
+        }
+}
+
+void dot_q8_0_q8a_avx2(QUANT_DOT_ARGS)
+{
+    (void)xsum;
+    tile_dot(Q8_0, w, k, x, x2, ldx, rows, out);
+}
+
+void dot_q4_0_q8a_avx2(QUANT_DOT_ARGS)
+{
+    (void)xsum;
+    tile_dot(Q4_0, w, k, x, x2, ldx, rows, out);
+}
+
+void dot_q4_1_q8a_avx2(QUANT_DOT_ARGS)
+{
+    (void)xsum;
+    tile_dot(Q4_1, w, k, x, x2, ldx, rows, out);
+}
+
+#endif

@@ -1,0 +1,107 @@
+/* Q8_0, Q4_0 and Q4_1 (quant_layout.h) in plain C: the dot products of a build without AVX2
+ * (the same integer sums and float operations as quant_x8_avx512.c and quant_x8_avx2.c), and
+ * the rows dequantized to float32 (every build: embedding lookups, prefill GEMMs). */
+#include <string.h>
+
+#include "kernels.h"
+#include "quant_layout.h"
+#include "quant_simd.h"
+
+static inline int quant(int qtype, const uint8_t *q, int r, int j)
+{
+    if (qtype == Q8_0) return (int)q[4 * QG * (j / 4) + 4 * r + j % 4] - 128;
+    const int jj = j % 16;
+    const uint8_t byte = q[4 * QG * (jj / 4) + 4 * r + jj % 4];
+    return j < 16 ? byte & 15 : byte >> 4;
+}
+
+/* Plain C: the same integer sums per block, the same float operations in order. */
+static inline __attribute__((always_inline)) void
+tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const q8a_block *x2,
+         int64_t ldx, int rows, const int32_t *xsum, float *out)
+{
+    const int64_t bytes = x8_block_bytes(qtype), nb = k / QK;
+    const int head = header_bytes(qtype);
+    (void)xsum;
+    for (int t = 0; t < rows; t++) {
+        const q8a_block *xt = x + t * ldx, *yt = x2 ? x2 + t * ldx : 0;
+        for (int r = 0; r < QG; r++) {
+            float acc = 0.f, extra = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *p = w + b * bytes;
+                uint16_t h;
+                memcpy(&h, p + 2 * r, 2);
+                const float d = half_to_float(h);
+                int32_t isum = 0, isum2 = 0;
+                for (int j = 0; j < QK; j++) {
+                    const int q = quant(qtype, p + head, r, j);
+                    isum += q * xt[b].q[j];
+                    if (yt) isum2 += q * yt[b].q[j];
+                }
+                acc += d * xt[b].d * (float)isum;
+                float s = xt[b].s;
+                if (yt) {
+                    acc += d * yt[b].d * (float)isum2;
+                    s += yt[b].s;
+                }
+                if (qtype == Q4_1) {
+                    memcpy(&h, p + 2 * QG + 2 * r, 2);
+                    extra += half_to_float(h) * s;
+                } else if (qtype == Q4_0) {
+                    extra += d * (-8.f * s);
+                }
+            }
+            out[QG * t + r] = acc + extra;
+        }
+    }
+}
+
+void dot_q8_0_q8a_generic(QUANT_DOT_ARGS) { tile_dot(Q8_0, w, k, x, x2, ldx, rows, xsum, out); }
+
+void dot_q4_0_q8a_generic(QUANT_DOT_ARGS) { tile_dot(Q4_0, w, k, x, x2, ldx, rows, xsum, out); }
+
+void dot_q4_1_q8a_generic(QUANT_DOT_ARGS) { tile_dot(Q4_1, w, k, x, x2, ldx, rows, xsum, out); }
+
+/* Row r of a group: d q (Q8_0, stored + 128), d (q - 8) (Q4_0), d q + m (Q4_1). */
+static inline __attribute__((always_inline)) void
+row_dequantize(const int qtype, const uint8_t *w, int r, int64_t k, float *out)
+{
+    const int64_t bytes = x8_block_bytes(qtype);
+    const int head = header_bytes(qtype);
+    for (int64_t b = 0; b < k / QK; b++, out += QK) {
+        const uint8_t *p = w + b * bytes, *q = p + head;
+        uint16_t h;
+        memcpy(&h, p + 2 * r, 2);
+        const float d = half_to_float(h);
+        float mn = 0.f;
+        if (qtype == Q4_1) {
+            memcpy(&h, p + 2 * QG + 2 * r, 2);
+            mn = half_to_float(h);
+        }
+        for (int j = 0; j < QK; j++) {
+            if (qtype == Q8_0) {
+                out[j] = d * (float)((int)q[4 * QG * (j / 4) + 4 * r + j % 4] - 128);
+                continue;
+            }
+            const int jj = j % 16;
+            const uint8_t byte = q[4 * QG * (jj / 4) + 4 * r + jj % 4];
+            const int v = j < 16 ? byte & 15 : byte >> 4;
+            out[j] = qtype == Q4_1 ? d * (float)v + mn : d * (float)(v - 8);
+        }
+    }
+}
+
+void dequantize_q8_0_f32(const uint8_t *w, int r, int64_t k, float *out)
+{
+    row_dequantize(Q8_0, w, r, k, out);
+}
+
+void dequantize_q4_0_f32(const uint8_t *w, int r, int64_t k, float *out)
+{
+    row_dequantize(Q4_0, w, r, k, out);
+}
+
+void dequantize_q4_1_f32(const uint8_t *w, int r, int64_t k, float *out)
+{
+    row_dequantize(Q4_1, w, r, k, out);
+}
