@@ -6,7 +6,7 @@ pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the ptxas Triton ships). Th
 what the interpreter cannot: code-generator errors, ops or layouts a GPU lacks, and register
 spills (ptxas -v). It says nothing about speed or results: that needs a GPU.
 
-    python tests/kernel_compile.py [--arch 90]      # TRITON_INTERPRET must be unset
+    python tests/kernels/kernel_compile.py [--arch 90]      # TRITON_INTERPRET must be unset
 Prints one JSON line per kernel configuration.
 """
 

@@ -6,7 +6,7 @@ mixed tilings spill a little (decode 16 x 64 on 4 warps ran at 87 % of the HBM p
 75 % for the best tiling that does not spill), so the attention kernel may spill up to 1 KiB
 per thread (ptxas' count; it lands in L1) and the small kernels not at all.
 
-tests/kernel_compile.py runs in a subprocess with TRITON_INTERPRET unset (this session's
+tests/kernels/kernel_compile.py runs in a subprocess with TRITON_INTERPRET unset (this session's
 kernels are interpreted): it intercepts each launcher's kernel call and compiles the exact
 arguments through Triton's CUDA pipeline and ptxas.
 """

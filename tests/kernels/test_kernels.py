@@ -126,7 +126,7 @@ def test_paged_attention_kernel_on_seeded_random_batches(kernels, seed):
 
 def test_int8_cache_kernel_matches_torch_int8_reference(kernels):
     # Both dequantise the same int8 bytes; the error against float K/V is bounded in
-    # tests/test_kv_int8.py. Here the two int8 paths must agree to fp16 rounding.
+    # tests/model/test_kv_int8.py. Here the two int8 paths must agree to fp16 rounding.
     shapes = [(1, 19), (6, 30), (1, 48)]
     q, k, v, cache, meta = _batch(shapes, 8, 2, 64, 16, torch.float16, seed=5, quant=True)
     out = _run(kernels, q, cache, meta, 0.125)

@@ -7,7 +7,7 @@ tokenizer (engine/gguf_tokenizer.py), and every weight is checked for values tha
 finite as it is loaded (model/loading/finite_weights.py): floats in full, quantized blocks by
 their float16 scales; an HF safetensors checkpoint gets the same check.
 
-Each case is the tiny llama checkpoint of tests/test_gguf_metadata.py written with one fault.
+Each case is the tiny llama checkpoint of tests/model/test_gguf_metadata.py written with one fault.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ needs_cc = pytest.mark.skipif(
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.delenv("CONVEYOR_CPU_ISA", raising=False)  # tests/test_cpu_isa.py sets it
+    monkeypatch.delenv("CONVEYOR_CPU_ISA", raising=False)  # tests/model/test_cpu_isa.py sets it
     return tmp_path / "cpu_kernels"
 
 

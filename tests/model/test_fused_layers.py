@@ -36,7 +36,7 @@ def _llm(case: str, root, tokenizer_dir) -> LLM:
     path = write_checkpoint(root / "hf", family, tokenizer_dir, **overrides)
     if qtype is not None:
         path = write_gguf(path, root / f"{case}.gguf", qtype)
-    # our GEMM even where "auto" takes oneDNN (a portable build: tests/test_cpu_isa.py)
+    # our GEMM even where "auto" takes oneDNN (a portable build: tests/model/test_cpu_isa.py)
     return LLM(
         str(path), enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=64,
         num_kv_blocks=64, linear_backend="cpu", **kwargs,

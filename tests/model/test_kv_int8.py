@@ -1,7 +1,8 @@
 """int8 KV cache (kv_cache_dtype="int8"): config, memory, attention error and greedy agreement.
 
 These run the torch reference backend (the Triton kernel reads the same int8 bytes and is
-held to the torch int8 path in tests/test_kernels.py and tests/test_triton_backend.py).
+held to the torch int8 path in tests/kernels/test_kernels.py and
+tests/kernels/test_triton_backend.py).
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def test_pack_linears_replaces_every_linear_and_packs_a_tied_head(kernels):
 def test_auto_takes_our_gemm_where_it_is_the_avx2_kernel_and_onednn_where_it_is_portable(
     kernels,
 ):
-    # The CONVEYOR_CPU_ISA=portable run of this file (tests/test_cpu_isa.py) takes the second
+    # The CONVEYOR_CPU_ISA=portable run of this file (tests/model/test_cpu_isa.py) takes the second
     # branch on this very machine; an AVX2 CPU's default build the first.
     want = "cpu" if kernels.linear_vectorized else "onednn"
     forced = {"portable": "portable", "avx2": "avx2", "avx512": "avx512"}

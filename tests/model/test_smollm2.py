@@ -58,7 +58,7 @@ def _transformers_llama(file: Path) -> transformers.LlamaForCausalLM:
     """transformers' Llama with the file's weights, dequantized by `gguf` and mapped here.
 
     transformers' own `from_pretrained(gguf_file=...)` takes ~25 s on this file (too slow for
-    CI on 2 cores); tests/test_gguf.py checks conveyor against that loader on tiny files.
+    CI on 2 cores); tests/model/test_gguf.py checks conveyor against that loader on tiny files.
     """
     reader = gguf.GGUFReader(str(file))
 

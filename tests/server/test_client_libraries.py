@@ -49,7 +49,7 @@ def test_the_library_works_unmodified(table, library, check) -> None:
 def template_tables(demo_model_dir, tmp_path_factory):
     """The tool loop of each library on checkpoints whose templates render tools themselves:
     Qwen2.5-style (hermes `<tool_call>`) and Llama-3.1-style (JSON), the formats read from
-    the templates (tests/test_tool_loops.py builds them on the demo model's weights)."""
+    the templates (tests/server/test_tool_loops.py builds them on the demo model's weights)."""
     tmp = tmp_path_factory.mktemp("client-templates")
     common = ["--num-kv-blocks", "256", "--max-model-len", "2048", "--served-model-name", "m"]
     procs = {}

@@ -1,5 +1,5 @@
 """logit_bias (OpenAI's semantics: sampler, checks, server) and prompt logprobs through the
-server (their engine side: tests/test_prompt_logprobs.py)."""
+server (their engine side: tests/model/test_prompt_logprobs.py)."""
 
 from __future__ import annotations
 

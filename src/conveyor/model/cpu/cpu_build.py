@@ -25,7 +25,8 @@ without it (the avx512 and avx512bf16 levels), tiles of up to four activation ro
 unpacked weight load; 256-bit maddubs one row at a time at avx2.
 
 The lower levels let tests run each kernel path on a machine that has a higher one
-(tests/test_cpu_isa.py); `python -m conveyor.model.cpu.cpu_kernels` says which GEMM a build has.
+(tests/model/test_cpu_isa.py); `python -m conveyor.model.cpu.cpu_kernels` says which GEMM a build
+has.
 Asking for an instruction set this CPU lacks is a ValueError (its code would die on an
 illegal instruction), as is an unknown name.
 """

@@ -21,7 +21,7 @@ torch. `-fopenmp` links libgomp.so.1, which resolves to the copy torch has alrea
 kernels share torch's OpenMP threads instead of starting a second pool.
 
 Every C entry point's ctypes signature is in SIGNATURES, the one table the constructor binds
-from; tests/test_cpu_kernels.py checks it against the C prototypes in csrc/ (a wrong argument
+from; tests/model/test_cpu_kernels.py checks it against the C prototypes in csrc/ (a wrong argument
 count would otherwise corrupt memory, not raise).
 
 `python -m conveyor.model.cpu.cpu_kernels` builds and loads them and says what this machine runs
