@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

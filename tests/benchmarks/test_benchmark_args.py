@@ -13,6 +13,8 @@ import pytest
 
 from conveyor.cli import main as cli_main
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 ROOT = Path(__file__).resolve().parents[2]
 MISSING = "needs matplotlib, which is not installed: pip install -e '.[bench]'"
 

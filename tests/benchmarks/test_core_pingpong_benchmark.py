@@ -12,6 +12,8 @@ import pytest
 
 from conveyor.model.cpu import cpu_build
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 SOURCE = Path(__file__).resolve().parents[2] / "benchmarks" / "core_pingpong.c"
 
 

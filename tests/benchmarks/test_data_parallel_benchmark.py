@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "data_parallel.py"
 _SPEC = importlib.util.spec_from_file_location("bench_data_parallel", _PATH)
 data_parallel = importlib.util.module_from_spec(_SPEC)

@@ -11,6 +11,8 @@ from tests.model.test_smollm2 import GGUF
 
 from conveyor.model.cpu import cpu_kernels
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gguf_decode.py"
 _SPEC = importlib.util.spec_from_file_location("bench_gguf_decode", _PATH)
 gguf_decode = importlib.util.module_from_spec(_SPEC)

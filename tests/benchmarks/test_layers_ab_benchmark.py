@@ -17,7 +17,10 @@ _SPEC = importlib.util.spec_from_file_location(
 layers_ab = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(layers_ab)
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
+pytestmark = [
+    pytest.mark.slow,  # runs a benchmark script
+    pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler"),
+]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -9,6 +9,8 @@ import pytest
 
 from conveyor.bench.sibling import load_sibling
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 bench = load_sibling(str(BENCHMARKS / "linear_bf16.py"), "linear_bf16")
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "load_memory.py"
 _SPEC = importlib.util.spec_from_file_location("bench_load_memory", _PATH)
 load_memory = importlib.util.module_from_spec(_SPEC)

@@ -7,10 +7,13 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import transformers
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.loading.demo import write_demo_model
+
+pytestmark = pytest.mark.slow  # runs a benchmark script
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "make_checkpoint.py"
 _SPEC = importlib.util.spec_from_file_location("bench_make_checkpoint", _PATH)

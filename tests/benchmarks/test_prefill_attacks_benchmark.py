@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill_attacks.py"
 _SPEC = importlib.util.spec_from_file_location("bench_prefill_attacks", _PATH)
 prefill_attacks = importlib.util.module_from_spec(_SPEC)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "prefix_caching.py"
 _SPEC = importlib.util.spec_from_file_location("bench_prefix_caching", _PATH)
 prefix_caching = importlib.util.module_from_spec(_SPEC)

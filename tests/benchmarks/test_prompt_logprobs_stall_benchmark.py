@@ -6,6 +6,10 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -6,6 +6,10 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "scheduler_cost.py"
 _SPEC = importlib.util.spec_from_file_location("bench_scheduler_cost", _PATH)
 scheduler_cost = importlib.util.module_from_spec(_SPEC)

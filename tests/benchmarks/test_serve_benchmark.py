@@ -11,6 +11,8 @@ import pytest
 
 from conveyor.bench.sibling import load_sibling
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 serve = load_sibling(str(Path(__file__).resolve().parents[2] / "benchmarks" / "serve.py"), "serve")
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from conveyor.bench.sibling import load_sibling
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 peers = load_sibling(str(BENCHMARKS / "serve_peers.py"), "serve_peers")
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+pytestmark = pytest.mark.slow  # runs a benchmark script
+
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "tensor_parallel.py"
 _SPEC = importlib.util.spec_from_file_location("bench_tensor_parallel", _PATH)
 bench = importlib.util.module_from_spec(_SPEC)

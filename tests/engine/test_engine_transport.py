@@ -25,6 +25,8 @@ from conveyor import AsyncLLM, SamplingParams
 from conveyor.config import EngineConfig
 from conveyor.entrypoints.engine_process import EngineProcess
 
+pytestmark = pytest.mark.slow  # real engine processes, long steps
+
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 TIMEOUT_S = 60  # generous bounds: the machine may be loaded
 

@@ -248,6 +248,7 @@ def test_chat_rejects_malformed_messages_naming_the_problem(llm, messages, probl
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_cli_generate_chat_prints_the_llm_chat_replies(llm, demo_model_dir, capsys):
     prompts = ["Hi!", "Tell me a story."]
     argv = ["generate", "--chat", "--model", str(demo_model_dir), "--max-tokens", "8", *prompts]

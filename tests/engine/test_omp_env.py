@@ -17,6 +17,8 @@ import pytest
 
 from conveyor.omp_env import DEFAULT_OMP_ENV, apply_omp_wait_default
 
+pytestmark = pytest.mark.slow  # a fresh interpreter loading torch per case
+
 _KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # What conveyor's environment left, then libgomp's own report on stderr.
 _SCRIPT = """

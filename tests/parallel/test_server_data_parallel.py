@@ -23,6 +23,8 @@ from tests.serve_process import metric_value, start_server
 
 from conveyor import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 PROMPTS = [f"Request {i}: the quick brown fox {'jumps ' * (i % 5)}" for i in range(32)]
 MAX_TOKENS = 8
 

@@ -24,6 +24,8 @@ from conveyor import LLM, SamplingParams
 from conveyor.parallel.group import TensorParallelError
 from conveyor.server.launch import ENGINE_DIED_EXIT_CODE
 
+pytestmark = pytest.mark.slow  # a real server, worker processes, a timeout
+
 _WORKER_PID = re.compile(r"Tensor-parallel worker rank 1 started \(pid (\d+)\)")
 
 

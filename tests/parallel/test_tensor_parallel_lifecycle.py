@@ -19,6 +19,8 @@ import torch.distributed as dist
 from conveyor import LLM, SamplingParams
 from conveyor.entrypoints.async_llm import AsyncLLM
 
+pytestmark = pytest.mark.slow  # tensor-parallel worker processes start
+
 TINY = dict(tensor_parallel_size=2, num_kv_blocks=8, block_size=8, max_num_seqs=2)
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 6, 7]

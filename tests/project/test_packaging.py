@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds and installs a wheel and an sdist
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

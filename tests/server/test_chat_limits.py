@@ -73,6 +73,7 @@ def _empty(n: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": ""}] * n
 
 
+@pytest.mark.slow
 def test_65000_empty_messages_are_a_400_naming_the_limit_before_any_render(http) -> None:
     started = time.monotonic()
     message = _error(
@@ -86,6 +87,7 @@ def test_65000_empty_messages_are_a_400_naming_the_limit_before_any_render(http)
     assert http.post(CHAT, json={"messages": HI, "max_tokens": 1}).status_code == 200
 
 
+@pytest.mark.slow
 def test_each_message_counts_a_token_against_the_context_before_rendering(http) -> None:
     # 2000 empty messages: 8,000 characters of roles, but at least 2000 tokens of headers
     # plus the text: more than 2048 tokens can hold at 32 characters each.
@@ -96,6 +98,7 @@ def test_each_message_counts_a_token_against_the_context_before_rendering(http) 
     assert f"in {many} messages" in message and "not tokenized" in message
 
 
+@pytest.mark.slow
 def test_tools_and_template_variables_count_against_the_context(http) -> None:
     long = "x" * (MAX_MODEL_LEN * MAX_CHARS_PER_TOKEN)
     tool = {"type": "function", "function": {"name": "f", "description": long}}
@@ -105,12 +108,14 @@ def test_tools_and_template_variables_count_against_the_context(http) -> None:
         assert "not tokenized" in message, message
 
 
+@pytest.mark.slow
 def test_template_variables_named_like_the_pools_arguments_are_plain_variables(http) -> None:
     body = {"messages": HI, "max_tokens": 1, "chat_template_kwargs": {"fn": 1, "pool": 2}}
     resp = http.post(CHAT, json=body)
     assert resp.status_code == 200, resp.text
 
 
+@pytest.mark.slow
 def test_tool_call_arguments_nested_past_pythons_reader_are_a_400(http) -> None:
     deep = "[" * 100_000 + "]" * 100_000
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
@@ -123,6 +128,7 @@ def test_tool_call_arguments_nested_past_pythons_reader_are_a_400(http) -> None:
     assert "messages[1]" in message and "nested too deep" in message
 
 
+@pytest.mark.slow
 def test_a_small_chat_is_not_stuck_behind_heavy_legal_renders(server, http) -> None:
     heavy = {"messages": _empty(HEAVY_MESSAGES), "max_tokens": 1}
     done: dict[str, float] = {}

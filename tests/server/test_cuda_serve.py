@@ -13,7 +13,10 @@ import pytest
 import torch
 from tests.serve_process import start_server
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.slow,  # each test talks to a real `conveyor serve`
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def test_serve_answers_from_the_gpu(tmp_path):

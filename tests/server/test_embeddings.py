@@ -220,6 +220,7 @@ def _floats(b64: str) -> list[float]:
     return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
+@pytest.mark.slow
 def test_server_embeddings_match_transformers_in_every_input_shape(
     server, client, checkpoints
 ) -> None:
@@ -259,6 +260,7 @@ def test_server_embeddings_match_transformers_in_every_input_shape(
     assert [d.embedding for d in many.data] == [d.embedding for d in floats.data]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("body", "param", "match"),
     [
@@ -283,12 +285,14 @@ def test_server_refuses_bad_embedding_requests_naming_the_field(server, body, pa
     assert match.lower() in error["message"].lower()
 
 
+@pytest.mark.slow
 def test_dimensions_400_through_the_openai_client(client) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(model="emb", input="hello", dimensions=8)
     assert info.value.body["param"] == "dimensions"
 
 
+@pytest.mark.slow
 def test_chat_keeps_streaming_while_long_embeddings_run(server, client) -> None:
     """Embeddings go through the same batched steps: a chat stream started alongside a
     stream of long embedding requests finishes, and so do they."""

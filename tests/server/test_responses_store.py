@@ -112,6 +112,7 @@ def _rss_mib(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
+@pytest.mark.slow
 def test_another_keys_requests_never_evict_yours(server) -> None:
     """Issue 49: 257 tiny `store: true` requests of another key evicted yours (404)."""
     mine, theirs = _http(server), _http(server, OTHER_KEY)
@@ -132,6 +133,7 @@ def test_another_keys_requests_never_evict_yours(server) -> None:
     assert all(r.status_code == 200 for r in kept[-len(held) :])  # the newest ones
 
 
+@pytest.mark.slow
 def test_reasoning_with_600000_keys_and_a_9_mb_user_are_refused_without_growing(server) -> None:
     """Issue 49: each was accepted, echoed and stored (+51 MB of RSS a `reasoning`; 20 took
     the server from 631 to 1,666 MB). Now a 400 naming the field; the RSS stays within a
@@ -174,6 +176,7 @@ REFUSED = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("param", "body", "said"), REFUSED,
                          ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(REFUSED)])  # fmt: skip
 def test_an_unknown_or_oversized_field_is_a_400_naming_it(server, param, body, said) -> None:
@@ -183,6 +186,7 @@ def test_an_unknown_or_oversized_field_is_a_400_naming_it(server, param, body, s
     assert error["param"] == param and said in error["message"], error
 
 
+@pytest.mark.slow
 def test_a_response_over_the_entry_cap_is_not_stored(server) -> None:
     """Asked for with `store: true`: a 400 before anything runs; by default (OpenAI's store
     true, not sent): answered, `store: false`, not stored."""
@@ -201,6 +205,7 @@ def test_a_response_over_the_entry_cap_is_not_stored(server) -> None:
     assert data[0]["response"]["store"] is False and data[-1]["response"]["store"] is False
 
 
+@pytest.mark.slow
 def test_a_stored_response_is_served_as_it_was_answered(server) -> None:
     http = _http(server)
     whole = _create(http, metadata={"k": "v"}, max_output_tokens=3)

@@ -16,6 +16,8 @@ from tests.serve_process import metric_value, start_server
 
 from conveyor import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 MODEL = "demo"
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello, world"]
 

@@ -143,6 +143,7 @@ def _slow_sender(server, source: str, head: bytes, trickle: bytes) -> tuple[byte
     return answer, False
 
 
+@pytest.mark.slow
 def test_idle_connections_are_closed_after_the_header_timeout(server) -> None:
     idle = [_connect(server, "127.0.0.2") for _ in range(20)]
     assert _held(server, server.baseline + 20)  # each one holds a descriptor
@@ -155,6 +156,7 @@ def test_idle_connections_are_closed_after_the_header_timeout(server) -> None:
     _back_to_baseline(server)
 
 
+@pytest.mark.slow
 def test_a_slow_header_is_408_and_closed(server) -> None:
     head = b"GET /health HTTP/1.1\r\nHost: x\r\n"
     answer, cut = _slow_sender(server, "127.0.0.2", head, b"X-Slow: " + b"s" * 400)
@@ -172,6 +174,7 @@ def test_a_slow_header_is_408_and_closed(server) -> None:
     _back_to_baseline(server)
 
 
+@pytest.mark.slow
 def test_a_slow_body_is_408_and_closed(server) -> None:
     body = b'{"prompt": "' + b"b" * 400 + b'", "max_tokens": 1}'
     answer, cut = _slow_sender(server, "127.0.0.2", POST_HEAD % len(body), body)
@@ -190,6 +193,7 @@ def test_a_slow_body_is_408_and_closed(server) -> None:
     _back_to_baseline(server)
 
 
+@pytest.mark.slow
 def test_a_long_stream_is_not_timed_out(server) -> None:
     """Only reading the request is timed: a stream that outlasts every timeout finishes."""
     body = {"model": "demo", "prompt": "Stream", "max_tokens": 40, "ignore_eos": True,
@@ -206,6 +210,7 @@ def test_a_long_stream_is_not_timed_out(server) -> None:
     assert last == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_over_a_cap_the_oldest_idle_connection_makes_room(server) -> None:
     # One client at its cap: its next connection closes its own oldest idle one.
     mine = [_connect(server, "127.0.0.3") for _ in range(PER_CLIENT)]
@@ -253,6 +258,7 @@ class _Busy:
             sock.close()
 
 
+@pytest.mark.slow
 def test_when_nothing_is_idle_the_cap_refuses_with_503_and_serving_goes_on(server) -> None:
     with _Busy(server) as busy:
         busy.open("127.0.0.5", PER_CLIENT)

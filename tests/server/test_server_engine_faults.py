@@ -21,7 +21,10 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import pytest
 from tests.serve_process import slow_step_env, start_server
+
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
 
 STALL_S = 2.0
 LONG = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}

@@ -18,6 +18,8 @@ from conveyor import LLM, SamplingParams
 from conveyor.core.limits import PromptLimits
 from conveyor.model.loading import demo
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 KEY = "sk-test-key"
 NAME = "tiny"
 ALIAS = "tiny-alias"  # a second served name: accepted in requests, never reported

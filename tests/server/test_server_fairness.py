@@ -21,6 +21,8 @@ import httpx
 import pytest
 from tests.serve_process import metric_value, slow_step_env, start_server
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 STEADY = {
     "model": "demo",
     "messages": [{"role": "user", "content": "Say hi."}],

@@ -23,6 +23,8 @@ from tests.serve_process import start_server
 from conveyor.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from conveyor.server.context import MAX_CHARS_PER_TOKEN
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 KEY = "sk-hardening"
 MAX_MODEL_LEN = 256
 ARGS = [

@@ -14,6 +14,8 @@ import openai
 import pytest
 from tests.serve_process import metric_value, slow_step_env, start_server
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 TIMEOUT_S = 3
 # Every engine step takes at least this long, so a 2,040-token request cannot finish within
 # TIMEOUT_S however fast the model runs (the demo model alone did it in under 3 s once the

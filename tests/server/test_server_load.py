@@ -18,6 +18,8 @@ from tests.serve_process import metric_value, start_server
 
 from conveyor.cli import main
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 NUM_BLOCKS = 32  # 512 slots for 500 requests of up to ~26 tokens each (and the leavers)
 NUM_REQUESTS = 500
 DISCONNECT_FRACTION = 0.3

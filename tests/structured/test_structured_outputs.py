@@ -18,6 +18,8 @@ from pydantic import BaseModel, Field
 from tests.serve_process import start_server
 from tests.structured.structured_schemas import SCHEMAS, Codes, Customer, Order, Person
 
+pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
+
 MODEL = "demo"
 
 
