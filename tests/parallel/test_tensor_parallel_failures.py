@@ -68,7 +68,9 @@ def test_a_worker_started_by_hand_joins_and_its_hang_fails_the_step_in_bounded_t
         start = time.monotonic()
         with pytest.raises(TensorParallelError, match="timed out"):
             llm.generate([[1, 2, 3]], params, use_tqdm=False)
-        assert 3.5 < time.monotonic() - start < 15  # CONVEYOR_TP_TIMEOUT_S bounds it
+        # CONVEYOR_TP_TIMEOUT_S (4 s) bounds it: at least that, and well under the 60 s default
+        # it would wait if the setting were ignored (generous for a loaded machine).
+        assert 3.5 < time.monotonic() - start < 45
         llm.llm_engine.shutdown()
         assert not dist.is_initialized()
     finally:
@@ -96,13 +98,11 @@ def test_served_with_two_ranks_answers_then_a_killed_worker_ends_it(tmp_path, de
         assert chat.choices[0].message.content is not None
         # A real SIGKILL of the worker rank, with the server idle: it exits non-zero soon.
         os.kill(worker, signal.SIGKILL)
-        start = time.monotonic()
-        try:
-            code = server.proc.wait(30)
+        try:  # generous for a loaded machine: without the watchdog an idle server never exits
+            code = server.proc.wait(120)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the server did not exit after its worker died:\n{server.log()}")
         assert code == ENGINE_DIED_EXIT_CODE != 0, server.log()
-        assert time.monotonic() - start < 30
         assert "tensor-parallel worker rank 1" in server.log()
         assert _wait_gone(engine, 10), "the engine process outlived the server"
     finally:

@@ -73,7 +73,9 @@ def test_a_stopped_engine_is_reported_hung_and_its_streams_end(demo_model_dir, t
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert error["code"] == 503 and "hung" in error["message"], error
-        assert STALL_S - 0.5 < waited < STALL_S + 5, waited
+        # Not before the stall timeout; no upper bound: the "hung" error event shows that the
+        # watchdog ended the stream (the client's 60 s read timeout would raise instead).
+        assert waited > STALL_S - 0.5, waited
         health = httpx.get(f"{url}/health")
         assert health.status_code == 503 and "hung" in health.json()["error"]["message"]
         assert httpx.head(f"{url}/health").status_code == 503

@@ -17,7 +17,7 @@ import time
 import httpx
 import openai
 import pytest
-from tests.process_tree import rss_mb
+from tests.process_tree import cpu_seconds, rss_mb
 from tests.serve_process import start_server
 
 from conveyor.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -163,19 +163,20 @@ def test_a_trusting_server_renders_request_templates_off_the_event_loop(trusting
     while worker.is_alive() and len(latencies) < 20:
         t0 = time.monotonic()
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        latencies.append(time.monotonic() - t0)
+        if worker.is_alive():  # answered while the slow render was still going on
+            latencies.append(time.monotonic() - t0)
         time.sleep(0.05)
     worker.join()
     rendering_s = time.monotonic() - started
     assert done[0].status_code == 200, done[0].text
     assert rendering_s > 1.0, "the slow template was not slow: the check proves nothing"
-    assert len(latencies) >= 3 and max(latencies) < 0.5, latencies
+    # Relative, not a fixed bound: a /health queued behind the render waits for most of it.
+    assert len(latencies) >= 3 and max(latencies) < rendering_s / 3, (latencies, rendering_s)
 
 
 # -------------------------------------------------------------------- 3. long text
 def test_text_too_long_for_any_tokenization_is_refused_untokenized(http) -> None:
     too_long = "abc " * (MAX_MODEL_LEN * MAX_CHARS_PER_TOKEN // 4 + 1)
-    started = time.monotonic()
     for path, body, param in (
         ("/tokenize", {"prompt": too_long}, "prompt"),
         (CMPL, {"prompt": too_long}, "prompt"),
@@ -184,8 +185,7 @@ def test_text_too_long_for_any_tokenization_is_refused_untokenized(http) -> None
     ):
         message = _error(http.post(path, json=body), 400, param)
         assert message.startswith(f"This model's maximum context length is {MAX_MODEL_LEN}")
-        assert "not tokenized" in message
-    assert time.monotonic() - started < 5
+        assert "not tokenized" in message  # the refusal itself says so: no time bound needed
     # Just under the bound it is tokenized (and counted) as before.
     fits = "abc " * (MAX_MODEL_LEN * MAX_CHARS_PER_TOKEN // 4)
     assert http.post("/tokenize", json={"prompt": fits}).json()["count"] > MAX_MODEL_LEN
@@ -377,7 +377,7 @@ def test_a_schema_just_within_the_limit_runs(http) -> None:
 VOCAB = 8192  # the demo model's
 
 
-def test_a_million_stop_token_ids_is_a_quick_400_and_another_stream_goes_on(http) -> None:
+def test_a_million_stop_token_ids_is_a_quick_400_and_another_stream_goes_on(server, http) -> None:
     # 1M ids outside the vocabulary with n=16 took 30 s and cut another stream from 184 to
     # 4.5 tok/s (here n=8: this server lets 8 sequences wait).
     events: list[str] = []
@@ -395,11 +395,13 @@ def test_a_million_stop_token_ids_is_a_quick_400_and_another_stream_goes_on(http
     ids = ",".join(str(10**6 + i) for i in range(10**6))  # all outside the vocabulary
     raw = f'{{"prompt": "x", "n": 8, "max_tokens": 16, "stop_token_ids": [{ids}]}}'
     assert len(raw) > 7.9 * 10**6
-    start = time.monotonic()
+    used = cpu_seconds([server.proc.pid])
     message = _error(_post_raw(http, CMPL, raw), 400, "stop_token_ids")
-    elapsed = time.monotonic() - start
+    used = cpu_seconds([server.proc.pid]) - used
     assert "at most 1024" in message
-    assert elapsed < 15, elapsed  # parsing 8 MB of JSON, nothing queued (generous: loaded CI)
+    # The server process's CPU time, which a loaded machine does not stretch as it does the
+    # wall clock: parsing 8 MB of JSON, nothing queued, takes a fraction of the bound; it was 30 s.
+    assert used < 5, used
     thread.join(120)
     assert not thread.is_alive() and events and events[-1] == "length", events
     _still_serves(http)

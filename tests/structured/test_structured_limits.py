@@ -49,12 +49,14 @@ def test_a_schema_with_5000_properties_is_refused_in_milliseconds() -> None:
     # Compact: 5,000 properties in ~115 KB (the server's size limit would refuse it first).
     schema = _props(5000, required=True)
     spec = json.dumps(schema, separators=(",", ":"))
-    start = time.perf_counter()
+    start = time.thread_time()
     with pytest.raises(ConstraintLimitError, match=f"at most {MAX_PROPERTIES} properties"):
         check_schema(schema, "structured_outputs.json")
     with pytest.raises(ConstraintLimitError, match=r"structured_outputs\.json must be at most"):
         check_constraint("json", spec, "structured_outputs.json")
-    assert time.perf_counter() - start < 2.0  # it took 56-138 s to compile before
+    # This thread's CPU time: other processes on a loaded machine stretch the wall clock, not
+    # this. 2 s is far above the milliseconds the checks take and below the 56-138 s compile.
+    assert time.thread_time() - start < 2.0
 
 
 def test_optional_properties_are_limited_per_object() -> None:
@@ -123,9 +125,9 @@ def test_a_long_reference_chain_is_checked_in_linear_time() -> None:
     n = 1900
     defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
     defs[f"d{n}"] = {"type": "integer"}
-    start = time.perf_counter()
+    start = time.thread_time()
     _check(json={"$defs": defs, "$ref": "#/$defs/d0"})
-    assert time.perf_counter() - start < 2.0
+    assert time.thread_time() - start < 2.0  # CPU time of this thread: load does not stretch it
 
 
 @pytest.mark.parametrize(
