@@ -58,8 +58,8 @@ ARG CONVEYOR_CPU_ISA=
 ENV CONVEYOR_CPU_ISA=${CONVEYOR_CPU_ISA}
 RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
 COPY --from=wheel /wheels /wheels
-# triton is a dependency for the CUDA kernels only (tests/test_packaging.py checks that the CPU
-# path runs without it): hundreds of MB this image does not need.
+# triton is a dependency for the CUDA kernels only (tests/project/test_packaging.py checks that
+# the CPU path runs without it): hundreds of MB this image does not need.
 RUN pip install /wheels/*.whl && rm -rf /wheels && pip uninstall -y triton
 COPY configs /opt/conveyor/configs
 USER conveyor

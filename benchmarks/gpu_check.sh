@@ -7,9 +7,10 @@
 # 1. The tests compiled on CUDA: with TRITON_INTERPRET unset and a GPU present, the
 #    `interpreter` tests run the kernels on CUDA against the torch reference (also on CUDA),
 #    plus end-to-end LLM(attention_backend="triton") greedy parity, int8 included, the fused
-#    norm / rotary / activation kernels (tests/test_fused_kernels.py), and
-#    tests/test_decode_graphs.py: CUDA graphs captured and replayed against enforce_eager, and
-#    the KV cache sized from free GPU memory; tests/test_cuda_serve.py: `conveyor serve` as
+#    norm / rotary / activation kernels (tests/kernels/test_fused_kernels.py), and
+#    tests/model/test_decode_graphs.py: CUDA graphs captured and replayed against
+#    enforce_eager, and the KV cache sized from free GPU memory;
+#    tests/server/test_cuda_serve.py: `conveyor serve` as
 #    the cuda Docker image runs it (needs fastapi, uvicorn and pydantic importable).
 # 2. benchmarks/cuda_decode.py: output tok/s at 1, 16, 64, 256 streams, eager against CUDA
 #    graphs (with and without conveyor.kernels.fused), and the split of a decode step
@@ -39,10 +40,11 @@ stage() {  # stage NAME SECONDS COMMAND...
     echo "=== $name: rc=$? in $((SECONDS - t0))s"
 }
 stage tests "${TESTS_S:-170}" $PY -m pytest -q -p no:cacheprovider -rs \
-    tests/test_decode_graphs.py tests/test_fused_kernels.py tests/test_kernels.py \
-    tests/test_triton_backend.py tests/test_cuda_serve.py \
-    tests/test_sliding_window.py::test_triton_kernel_applies_the_window \
-    tests/test_attention_benchmark.py 2>&1 | tee "$out/tests_cuda.txt"
+    tests/model/test_decode_graphs.py tests/kernels/test_fused_kernels.py \
+    tests/kernels/test_kernels.py tests/kernels/test_triton_backend.py \
+    tests/server/test_cuda_serve.py \
+    tests/model/test_sliding_window.py::test_triton_kernel_applies_the_window \
+    tests/benchmarks/test_attention_benchmark.py 2>&1 | tee "$out/tests_cuda.txt"
 stage cuda_decode "${DECODE_S:-170}" $PY benchmarks/cuda_decode.py \
     ${DECODE_ARGS:---sides eager graphs graphs-unfused} --out "$out/cuda_decode.json"
 [ -s "$out/cuda_decode.json" ] || stage cuda_decode_eager "${DECODE_S:-170}" $PY \

@@ -78,7 +78,7 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def kernels():
     """The CPU C kernels (model/cpu/cpu_kernels.py); skipped where they cannot be built (no C
-    compiler). tests/test_kernels.py has its own `kernels`: the Triton ones."""
+    compiler). tests/kernels/test_kernels.py has its own `kernels`: the Triton ones."""
     from conveyor.model.cpu import cpu_kernels
 
     k = cpu_kernels.load()

@@ -5,7 +5,7 @@
     python -m conveyor.config_docs --yaml    # print the YAML file (--table: the table)
 
 The fields of EngineConfig and ServerConfig (conveyor/config/settings.py) are the one source; these
-two files are their rendering, and tests/test_settings_source.py fails when they drift.
+two files are their rendering, and tests/project/test_settings_source.py fails when they drift.
 """
 
 from __future__ import annotations

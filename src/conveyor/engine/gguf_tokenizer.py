@@ -14,7 +14,7 @@ tokens, special tokens and chat template.
 The converter indexes the metadata blindly (a KeyError for a file without tokens, a panic of
 the tokenizers library for a repeated or empty token), so the metadata it reads is checked
 first (`_check_tokenizer_metadata`), and anything else it raises becomes one ValueError line
-naming the file (tests/test_bad_model_files.py).
+naming the file (tests/model/test_bad_model_files.py).
 """
 
 from __future__ import annotations

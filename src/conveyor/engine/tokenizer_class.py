@@ -10,7 +10,7 @@ than reading tokenizer.json's, so a different class can tokenize differently.
 This module replays AutoTokenizer's choice (transformers 5) for the folders of the families
 conveyor serves: a config.json whose `model_type` is in `_REGISTERED`, a tokenizer.json, a
 tokenizer_config.json naming one of `_KNOWN_CLASSES` and no `auto_map` (remote code). Anything
-else answers None, and the caller asks AutoTokenizer itself. tests/test_tokenizer_class.py
+else answers None, and the caller asks AutoTokenizer itself. tests/engine/test_tokenizer_class.py
 holds every combination to AutoTokenizer's own answer, and `_REGISTERED` to transformers'
 tables.
 """

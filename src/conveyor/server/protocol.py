@@ -4,7 +4,7 @@ Fields and defaults follow the OpenAI API plus vLLM's extensions (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, min_tokens, priority, allowed_token_ids,
 bad_words, truncate_prompt_tokens, ...) and conveyor's scheduling fields (deadline,
 length_hint). Every declared field is honoured, an accepted no-op hint or refused with a 400
-(server/request_fields.py, checked field by field by tests/test_request_fields.py). Unknown
+(server/request_fields.py, checked field by field by tests/server/test_request_fields.py). Unknown
 fields are ignored, as vLLM does. Numbers and booleans are strict (`"max_tokens": "5"` or
 `true` is a 400, not silently coerced). `null` means "the default" everywhere. Ranges are
 checked once, by SamplingParams, whose ValueError names the field; `to_sampling_params`

@@ -2,7 +2,7 @@
 ones, and those only a chat template can act on.
 
 Every field of the request models (server/protocol.py) is one of three kinds, and
-tests/test_request_fields.py checks that each is classified, so none is silently ignored:
+tests/server/test_request_fields.py checks that each is classified, so none is silently ignored:
 
     honoured  it changes the answer (sampling, the prompt, the output shape, ...)
     hint      OpenAI defines it as information for the provider that changes no output:

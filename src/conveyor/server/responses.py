@@ -7,7 +7,7 @@ serialized with `exclude_unset=True`, as vLLM does: a chat delta carries `role` 
 first chunk of a choice, and `usage` only where it was set; logprobs objects are always
 sent whole (`_Whole`). server/sse.py writes the common
 stream chunks without building these models, byte for byte as they would serialize: a change
-to a chunk model needs the same change there (tests/test_sse_encoding.py compares the two).
+to a chunk model needs the same change there (tests/server/test_sse_encoding.py compares the two).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ the chat template, tool parsing, the reasoning parser, structured outputs):
 
 Every field is honoured, an accepted no-op hint or refused with a 400 naming it, as on the
 other endpoints (server/request_fields.py's RESPONSES_REFUSED and RESPONSES_HINTS;
-tests/test_responses_api.py audits them against the openai SDK's parameters). What a stored
+tests/server/test_responses_api.py audits them against the openai SDK's parameters). What a stored
 response echoes is bounded too: a key OpenAI does not define in `reasoning`, `text`,
 `text.format`, a tool, `tool_choice` or `stream_options` is a 400 naming it, `metadata` is
 chat's (16 pairs, keys 64 and values 512 characters), `safety_identifier` OpenAI's 64

@@ -9,7 +9,7 @@ non-ASCII kept, the same escapes), ints, null.
 
 Anything else goes through the models and `sse()`: a choice with logprobs (pydantic writes
 floats its own way: 1e-05 as 0.00001, inf as null) or a value of another type than the
-engine gives (pydantic validates it). tests/test_sse_encoding.py checks both paths agree.
+engine gives (pydantic validates it). tests/server/test_sse_encoding.py checks both paths agree.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ allow); the `_generic` fallbacks compile in every build. The library is compiled
 cpu_kernels.SIGNATURES binds.
 
 The lower levels let tests run each kernel path on a machine that has a higher one
-(tests/test_cpu_isa.py); `python -m conveyor.model.cpu.cpu_kernels` says which GEMM a build has.
+(tests/model/test_cpu_isa.py); `python -m conveyor.model.cpu.cpu_kernels` says which GEMM a build
+has.
 Asking for an instruction set this CPU lacks is a ValueError (its code would die on an
 illegal instruction), as is an unknown name.
 """

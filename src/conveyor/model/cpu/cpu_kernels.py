@@ -22,7 +22,7 @@ kernels share torch's OpenMP threads instead of starting a second pool.
 
 Every C entry point's ctypes signature is in SIGNATURES, the one table the constructor binds
 from, under its C name (csrc/kernels.h: `<op>_<weight type>_<activation type>`, e.g.
-gemm_bf16_f32); tests/test_cpu_build.py checks it against the C definitions in csrc/ (a wrong
+gemm_bf16_f32); tests/model/test_cpu_build.py checks it against the C definitions in csrc/ (a wrong
 argument count would otherwise corrupt memory, not raise). The attention takes its arguments
 as two structs, mirrored in kernel_structs.py.
 

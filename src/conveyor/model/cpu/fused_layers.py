@@ -6,7 +6,7 @@ nn.Module call, argument checks, a tensor allocation and a ctypes call, which on
 adds up to as long as the kernels themselves (docs/kernels.md#measured-choices).
 `FusedLayers` describes every layer's weights to C once (at load), and each step that
 qualifies runs all layers and the model's final norm in one call on the same kernels in the
-same order: the hidden states are bit for bit the modules' own (tests/test_fused_layers.py
+same order: the hidden states are bit for bit the modules' own (tests/model/test_fused_layers.py
 holds them to it).
 
 A model qualifies when every layer is the plain Llama layer (Llama, Mistral, Qwen2: no

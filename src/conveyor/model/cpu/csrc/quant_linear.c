@@ -36,7 +36,7 @@
  * rounding.
  *
  * The activation quantization is the only approximation beyond the file's own: at most half
- * a step of the last pass per element of x (tests/test_quant_linear.py states the tolerance).
+ * a step of the last pass per element of x (tests/model/test_quant_linear.py states the tolerance).
  *
  * Work split: threads take groups of sixteen weight rows (QG); each group's bytes stay in
  * L1 or L2 while tiles of up to QT activation rows pass over them. A tile unpacks each load
