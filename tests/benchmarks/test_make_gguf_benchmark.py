@@ -14,7 +14,7 @@ from conveyor import LLM, SamplingParams
 pytestmark = pytest.mark.slow  # runs a benchmark script's writer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import make_gguf
+import make_gguf  # noqa: E402
 
 
 def test_a_random_moe_gguf_loads_quantized_and_generates(tmp_path):
