@@ -95,7 +95,9 @@ class MoEBlock(nn.Module):
             if n:
                 rows = tokens[start : start + n]
                 y = self.experts[expert](x[rows]) * slot_weights[start : start + n, None]
-                out.index_add_(0, rows, y.to(out.dtype))
+                # (one add per row: an expert's rows are distinct; index_add_ costs far more
+                # for the few rows of a decode step)
+                out.index_put_((rows,), y.to(out.dtype), accumulate=True)
                 start += n
         return self._add_shared(x, out)
 
