@@ -42,8 +42,8 @@ BLOCK = 32  # activations are quantized per 32
 # From this many rows of x (a long prefill chunk) a QuantLinear stops running the integer
 # kernels, whose cost grows with every row, and dequantizes its weight a slice at a time into
 # a GEMM instead: bf16 panels through gemm.c's vdpbf16ps GEMM on a build with AVX512-BF16
-# (csrc/quant_gemm.c; 1.2-1.7x faster than the AVX-512 integer kernels' two passes at 256
-# rows and more, by type), float32 through oneDNN's GEMM on AVX2 and portable builds, where the
+# (csrc/quant_gemm.c; faster than the AVX-512 integer kernels' two passes from 256 rows on),
+# float32 through oneDNN's GEMM on AVX2 and portable builds, where the
 # integer kernels take one activation row at a time. AVX-512 without BF16 keeps its tiled
 # integer kernels, which beat the float32 GEMM at every row count
 # (docs/kernels.md#measured-choices).

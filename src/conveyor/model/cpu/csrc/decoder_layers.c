@@ -70,8 +70,8 @@ static int run_linear(const linear_desc *l, const float *x, int64_t m, float *ou
  *
  * The whole step is one OpenMP parallel region: each kernel splits its work among the team
  * and ends in a barrier, where calling the kernels one by one forked and joined the threads
- * for each (a decode step's five parallel kernels a layer; for SmolLM2-135M that fork and join
- * cost more than 10 % of the layers' time, docs/kernels.md#measured-choices). A failure is
+ * for each (a decode step's five parallel kernels a layer: for a small model a large share of
+ * the layers' time, docs/kernels.md#measured-choices). A failure is
  * the same in every thread (a linear's type, or the attention bits shared through
  * attn_failed), so they all leave the loop at the same layer. */
 CONVEYOR_EXPORT int decoder_layers_f32(const layer_desc *layers, int n_layers,

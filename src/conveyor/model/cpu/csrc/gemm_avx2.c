@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void store_row(float *o, int cols, 
 #define KSTEP(k) ((k) + ((k) & 1))
 #define K_PER_LINE 2
 #define PREFETCH_ODD 0 /* a pair of k is one 64-byte line */
-#define AHEAD_PREFETCH 0 /* bf16 measured 0.85-1.18x, no steady gain (kernels.md) */
+#define AHEAD_PREFETCH 0 /* no steady gain for bf16 (docs/kernels.md#measured-choices) */
 #define LINE_AT(panel, kk, qs) ((panel) + ((kk) >> 1) * (qs))
 #define LOAD_W(panel, kk, odd, qs, w0, w1)                                                     \
     do {                                                                                       \

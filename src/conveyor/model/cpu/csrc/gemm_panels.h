@@ -14,8 +14,8 @@
  * float32, or one pair of k's 16 bf16 pairs; 64 bytes either way): the group's line 0 of each
  * panel, then line 1 of each, ... (the last group has the panels left over). A decode step,
  * which takes a group's panels together (WIDE_P, the same four), so reads the weights as one
- * stream per thread. Four streams per thread, one per panel, read 12-25 % slower on this
- * VM's EPYC (docs/kernels.md#measured-choices). quant_gemm.c's slices are panels one to a
+ * stream per thread. Four streams per thread, one per panel, read slower
+ * (docs/kernels.md#measured-choices). quant_gemm.c's slices are panels one to a
  * group (gemm_bf16_bf16_grouped). */
 #define PANEL_GROUP 4
 
@@ -24,7 +24,7 @@
  * side, the first half's before the second's). A decode step's two threads split the groups
  * by halves (few_rows_dp), so each one's share is then one stream; interleaved in one group,
  * the half a thread read first pulled much of the other half through the prefetchers, and
- * SmolLM2's o and down (nine groups) took one thread ~10 % longer than the other
+ * an odd number of groups left one thread longer than the other
  * (docs/kernels.md#measured-choices). CpuLinear packs them so (linear.py's group_panels)
  * where this build has vdpbf16ps; float32 panels, and the AVX2 and widening builds (which
  * take a group whole or panels one at a time), keep every group whole. */
@@ -82,14 +82,14 @@ static inline float bf16_at(const uint16_t *line, int64_t kk, int j)
 /* 32 zmm registers: MR accumulators, the panel's zmm and the broadcast x. */
 #define MR 16
 #define MC 288 /* a multiple of MR: 288 x 256 floats of x, 288 KiB */
-#define PREFETCH_LINES 32 /* ahead in the panel's own lines (2 KiB of them; 16 read 2-5 % slower) */
+#define PREFETCH_LINES 32 /* ahead in the panel's own lines (2 KiB of them; 16 read slower) */
 /* A few rows (at most WIDE_R): WIDE_P panels per micro-kernel call. */
 #define WIDE_R 4
 #define WIDE_P 4 /* PANEL_GROUP: a decode step takes a group at a time */
 #define HALF_P 2 /* or half of one (gemm_avx512bf16.c's few_rows_dp) */
 /* 5-16 rows (a decode step of that many sequences) take the same kernels four rows at a time
  * over each block of four panels, the later rows re-reading the panels' block from L1: one
- * panel at a time left a step of 8 rows 1.4x as long as one of 4 (eight dependency chains
+ * panel at a time left a step of 8 rows much longer than one of 4 (eight dependency chains
  * too few to keep the weights streaming) and 16 rows bound by their loads (a broadcast and a
  * weight load for each 16 x 1 instruction's worth) (docs/kernels.md#measured-choices). */
 #define WIDE2_R 16

@@ -4,8 +4,8 @@
  * builds with AVX512-BF16 only).
  *
  * The integer kernels' cost grows with the rows of x (each row two passes of dpbusd over every
- * weight); from 256 rows the bf16 GEMM does the same products 1.2-1.7x faster (by type) even
- * with the dequantization, which costs per weight, not per row
+ * weight); from 256 rows the bf16 GEMM does the same products faster even with the
+ * dequantization, which costs per weight, not per row
  * (docs/kernels.md#measured-choices). A group of sixteen interleaved rows is exactly one panel
  * of sixteen output columns ([ceil(K / 2)][16][2] bf16, k in pairs, as CpuLinear packs them
  * before it groups them), so a slice of groups becomes a slice of panels: up to slice_bytes of
