@@ -256,6 +256,7 @@ _STRUCTS = {
     "linear_desc": kernel_structs.LinearDescC,
     "layer_desc": kernel_structs.LayerDescC,
     "step_desc": kernel_structs.StepDescC,
+    "moe_args": kernel_structs.MoeArgsC,
 }
 
 

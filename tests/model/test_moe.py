@@ -180,3 +180,37 @@ def test_bad_expert_metadata_is_one_clear_error(key, value, message, tmp_path, t
                      metadata={f"{{arch}}.{key}": (value, GGUFValueType.UINT32)})  # fmt: skip
     with pytest.raises(ValueError, match=re.escape(message)):
         LLM(str(bad), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "F32"])
+def test_the_experts_c_kernel_equals_the_module_loop(moe_gguf, qtype_name, monkeypatch):
+    from gguf import GGMLQuantizationType as QType
+
+    from conveyor.model.cpu import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C kernels here")
+    _, files, prompts = moe_gguf
+    if QType[qtype_name] not in files:
+        pytest.skip("no such file")
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+    llm = LLM(str(files[QType[qtype_name]]), num_kv_blocks=64, dtype="float32")
+    blocks = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, MoEBlock)]
+    assert blocks and all(b.fused is not None for b in blocks)  # on csrc/moe.c
+    calls = []
+    real = type(blocks[0].fused).__call__
+    monkeypatch.setattr(type(blocks[0].fused), "__call__",
+                        lambda self, *a: calls.append(1) or real(self, *a))  # fmt: skip
+    with_c = llm.generate(prompts, params, use_tqdm=False)
+    assert calls  # the steps took the C kernel
+    for b in blocks:
+        b.fused = None  # the module loop
+    loop = llm.generate(prompts, params, use_tqdm=False)
+    for c, m in zip(with_c, loop, strict=True):
+        assert c.outputs[0].token_ids == m.outputs[0].token_ids
+        if qtype_name == "Q8_0":  # the same integer kernels: bit for bit
+            assert c.outputs[0].logprobs == m.outputs[0].logprobs
+        else:  # float32 panels: the team GEMM may sum in another order
+            for got, want in zip(c.outputs[0].logprobs, m.outputs[0].logprobs, strict=True):
+                assert got.keys() == want.keys()
+                assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)

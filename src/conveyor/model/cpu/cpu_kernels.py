@@ -85,6 +85,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "gemm_gguf_bf16": (_GEMM_GGUF_BF16_ARGS, ctypes.c_int),
     # every decoder layer of a step (conveyor.model.cpu.fused_layers wraps it)
     "decoder_layers_f32": ([_P, _I32, *[_P] * 10], ctypes.c_int),
+    # a mixture of experts' feed-forward (conveyor.model.cpu.moe_kernel wraps it)
+    "moe_f32": ([_P], ctypes.c_int),
 }
 # The entry points only a build with AVX512-BF16 has (the vdpbf16ps GEMM and the GGUF prefill
 # on it): CpuKernels binds them where the library has them.

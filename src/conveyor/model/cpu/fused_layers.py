@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _describe_linear(module: nn.Module) -> LinearDescC | None:
+def describe_linear(module: nn.Module) -> LinearDescC | None:
     """The C description of a CpuLinear or QuantLinear; None for any other linear."""
     if not isinstance(module, CpuLinear | QuantLinear):
         return None
@@ -131,7 +131,7 @@ class FusedLayers:
         descs = (LayerDescC * len(layers))()
         for desc, layer in zip(descs, layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [_describe_linear(m) for m in (attn.qkv_proj, attn.o_proj,
+            linears = [describe_linear(m) for m in (attn.qkv_proj, attn.o_proj,
                                                      mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
             if any(x is None for x in linears):
                 logger.debug("Decoder layers run module by module: a linear C cannot run.")

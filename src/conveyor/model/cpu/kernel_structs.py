@@ -111,3 +111,28 @@ class StepDescC(ctypes.Structure):
         ("final_norm", _P),
         ("final_eps", _F32),
     ]
+
+
+class MoeArgsC(ctypes.Structure):
+    """A mixture of experts' feed-forward (moe_args, csrc/moe.c)."""
+
+    _fields_ = [
+        ("t", _I64),
+        ("hidden", _I32),
+        ("inter", _I32),
+        ("top_k", _I32),
+        ("num_experts", _I32),
+        ("passes", _I32),
+        ("num_threads", _I32),
+        ("x", _P),
+        ("out", _P),
+        ("topk_ids", _P),
+        ("topk_weights", _P),
+        ("gate_up", _P),
+        ("down", _P),
+        ("xg", _P),
+        ("gate_up_out", _P),
+        ("act", _P),
+        ("y", _P),
+        ("xq", _P),
+    ]

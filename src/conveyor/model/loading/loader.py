@@ -58,7 +58,7 @@ from conveyor.model.loading.model_config import ModelConfig
 from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_tensors
 from conveyor.model.models.layers import use_kernels
 from conveyor.model.models.llama import LlamaForCausalLM
-from conveyor.model.models.moe import use_grouped_gemm
+from conveyor.model.models.moe import use_cpu_kernels, use_grouped_gemm
 
 if TYPE_CHECKING:
     from conveyor.config import EngineConfig
@@ -257,6 +257,8 @@ def load_weights(
         model.fused_layers = FusedLayers.build(model, kernels)
         if model.fused_layers is not None:
             logger.info("Decoder layers: one C call a step (csrc/decoder_layers.c).")
+    if use_cpu_kernels(model, kernels):
+        logger.info("Mixture of experts: a step's experts in one C call (csrc/moe.c).")
     return model, kernels
 
 

@@ -48,8 +48,10 @@ class MoEBlock(nn.Module):
         shared = config.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(hidden, shared) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
-        # On CUDA: conveyor.kernels.fused_moe over the stacked weights (use_grouped_gemm).
-        self.grouped_gemm: Callable[..., torch.Tensor] | None = None
+        # The experts in one kernel, (x, weights, chosen) -> their weighted sum, or None for
+        # a step it does not take: CUDA's grouped GEMMs over the stacked weights
+        # (use_grouped_gemm), the CPU's csrc/moe.c (model/cpu/moe_kernel.py).
+        self.fused: Callable[..., torch.Tensor | None] | None = None
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
 
@@ -66,7 +68,7 @@ class MoEBlock(nn.Module):
         for i, expert in enumerate(self.experts):
             expert.gate_up_proj.weight = nn.Parameter(self.w13[i], requires_grad=False)
             expert.down_proj.weight = nn.Parameter(self.w2[i], requires_grad=False)
-        self.grouped_gemm = fused_moe
+        self.fused = lambda x, weights, chosen: fused_moe(x, self.w13, self.w2, weights, chosen)
         return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,9 +81,9 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
-        if self.grouped_gemm is not None:
-            out = self.grouped_gemm(x, self.w13, self.w2, weights, chosen)
-            return self._add_shared(x, out)
+        fused = self.fused(x, weights, chosen) if self.fused is not None else None
+        if fused is not None:
+            return self._add_shared(x, fused)
         if not self.weights_in_float:
             weights = weights.to(x.dtype)
         flat = chosen.reshape(-1)
@@ -116,3 +118,16 @@ def use_grouped_gemm(model: nn.Module) -> int:
     from conveyor.kernels.fused_moe import fused_moe
 
     return sum(block.use_grouped_gemm(fused_moe) for block in blocks)
+
+
+def use_cpu_kernels(model: nn.Module, kernels: object) -> int:
+    """Put every MoEBlock of `model` whose experts csrc/moe.c can run on it (model/cpu/
+    moe_kernel.py); returns how many."""
+    from conveyor.model.cpu.moe_kernel import MoeKernel
+
+    count = 0
+    for block in model.modules():
+        if isinstance(block, MoEBlock):
+            block.fused = MoeKernel.build(block.experts, kernels)
+            count += block.fused is not None
+    return count

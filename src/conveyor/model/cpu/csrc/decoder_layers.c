@@ -27,8 +27,8 @@
 
 /* One linear through the team forms of the kernels the modules call: bf16 panels through
  * this build's bf16 GEMM, as CpuKernels.linear picks it. */
-static int run_linear(const linear_desc *l, const float *x, int64_t m, float *out, void *xq,
-                      int passes)
+int linear_f32_team(const linear_desc *l, const float *x, int64_t m, float *out, void *xq,
+                    int passes)
 {
     if (l->kind == 0) {
         gemm_f32_f32_team(x, l->k, m, (const float *)l->panels, l->n, l->k, l->bias, out, l->n);
@@ -95,7 +95,7 @@ CONVEYOR_EXPORT int decoder_layers_f32(const layer_desc *layers, int n_layers,
             else
                 add_rms_norm_f32_f32_team(x, hidden, residual, hidden, L->in_norm, t, hidden,
                                           L->in_eps);
-            if (run_linear(&L->qkv, x, t, qkv, xq, s->passes)) {
+            if (linear_f32_team(&L->qkv, x, t, qkv, xq, s->passes)) {
                 code = (i << 8) | 1;
                 break;
             }
@@ -119,18 +119,18 @@ CONVEYOR_EXPORT int decoder_layers_f32(const layer_desc *layers, int n_layers,
                 code = (i << 8) | (attn_failed << 1);
                 break;
             }
-            if (run_linear(&L->o, attn, t, o, xq, s->passes)) {
+            if (linear_f32_team(&L->o, attn, t, o, xq, s->passes)) {
                 code = (i << 8) | 1;
                 break;
             }
             add_rms_norm_f32_f32_team(o, hidden, residual, hidden, L->post_norm, t, hidden,
                                       L->post_eps);
-            if (run_linear(&L->gate_up, o, t, gate_up, xq, s->passes)) {
+            if (linear_f32_team(&L->gate_up, o, t, gate_up, xq, s->passes)) {
                 code = (i << 8) | 1;
                 break;
             }
             silu_mul_f32_team(gate_up, 2 * (int64_t)s->inter, act, s->inter, t, s->inter);
-            if (run_linear(&L->down, act, t, x, xq, s->passes)) {
+            if (linear_f32_team(&L->down, act, t, x, xq, s->passes)) {
                 code = (i << 8) | 1;
                 break;
             }

@@ -243,6 +243,25 @@ CONVEYOR_EXPORT int gemm_gguf_bf16(int qtype, const uint8_t *w, int64_t ldw, int
                                    int64_t slice_bytes, int num_threads);
 #endif
 /* decoder_layers.c: every decoder layer of a step in one call */
+/* ---- A mixture of experts' feed-forward (moe.c; model/cpu/moe_kernel.py mirrors it) */
+typedef struct {
+    int64_t t;                    /* tokens */
+    int32_t hidden, inter, top_k, num_experts, passes, num_threads;
+    const float *x;               /* [t, hidden] */
+    float *out;                   /* [t, hidden], zeroed by the caller, added into */
+    const int64_t *topk_ids;      /* [t, top_k] */
+    const float *topk_weights;    /* [t, top_k] */
+    const linear_desc *gate_up;   /* [num_experts]: [gate | up] of each expert */
+    const linear_desc *down;      /* [num_experts] */
+    float *xg, *gate_up_out, *act, *y; /* scratch: [t, hidden], [t, 2 inter], [t, inter],
+                                          [t, hidden] */
+    void *xq;                     /* q8a scratch for t rows of max(hidden, inter) */
+} moe_args;
+
+/* Returns 0; 1: a quantized type the kernel does not handle; 3: out of memory; 4: an expert
+ * id out of range. */
+CONVEYOR_EXPORT int moe_f32(const moe_args *a);
+
 CONVEYOR_EXPORT int decoder_layers_f32(const layer_desc *layers, int n_layers,
                                        const attention_rows *row_sets, const step_desc *s,
                                        float *x, float *residual, float *o, float *qkv,
@@ -282,6 +301,9 @@ void quantize_q8a_f32_team(const float *x, int64_t ldx, int64_t m, int64_t k, vo
 void quantize_q8a_f32_own(const float *x, int64_t ldx, int64_t m, int64_t k, void *out,
                           int passes);
 size_t quantize_q8a_own_bytes(int64_t m, int64_t k, int passes);
+/* decoder_layers.c: one linear_desc through the team forms (1: a type it cannot run). */
+int linear_f32_team(const linear_desc *l, const float *x, int64_t m, float *out, void *xq,
+                    int passes);
 /* quant_linear.c: own: xq is each thread's own copy (quantize_q8a_f32_own's). */
 int gemm_gguf_q8a_team(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
                        const void *xq, int64_t m, int passes, const float *bias, float *out,
