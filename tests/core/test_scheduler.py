@@ -227,9 +227,11 @@ def test_the_long_prefill_share_follows_the_measured_step_times():
     from conveyor.core.long_prefills import LongPrefills
 
     rule = LongPrefills(256, 4, 1)
-    assert rule.share(1) == 1  # times unknown: one token a step
-    rule.spend(1, 1, True)
+    assert rule.share(1) == 0  # the others' time unknown: a step of theirs alone first
+    rule.spend(0, 1, True)
     rule.observe(1, 0, 0.010)  # the others' step alone: 10 ms
+    assert rule.share(1) == 1  # a long token's time unknown: one token a step
+    rule.spend(1, 1, True)
     rule.observe(1, 4, 0.030)  # with 4 long tokens: 5 ms each
     assert rule.share(1) == 1  # half of 10 ms is one long token
     rule.spend(1, 1, True)
@@ -242,6 +244,29 @@ def test_the_long_prefill_share_follows_the_measured_step_times():
         gpu.spend(takes[-1], 1, True)
     assert takes == [1, 2, 4, 8, 16, 32, 64, 128, 0, 256]  # doubling to T, a probe step
     assert LongPrefills(256, 4, 1).share(0) == 1  # alone: from one token, doubling too
+
+
+def test_short_requests_one_after_another_get_the_others_time_measured():
+    # A client's requests of fewer steps than _PROBE_EVERY, one after another, with the long
+    # prompt alone in between: each got a long token in every step (the others' own step
+    # time was never measured, so "one token a step" held for good), a token that costs two
+    # of their steps. Now the first step beside them times them alone.
+    clock, sched = _dear_long_tokens()
+    sched.add_request(make_request("long", 3000, max_tokens=1))
+    times = []
+    for i in range(20):
+        short = make_request(f"s{i}", 4, max_tokens=6)
+        sched.add_request(short)
+        while not short.is_finished:
+            start = clock.now
+            out = clock.step(sched)
+            if out.num_scheduled_tokens.get(short.request_id) == 1:  # its decode steps
+                times.append(clock.now - start)
+        clock.step(sched)  # the long prompt alone before the next request
+    # A decode step alone: 15 ms; with a long token 25 ms (1.67x). The share keeps the
+    # decode steps at about 1 + TIME_SHARE times their own time on average.
+    later = times[25:]
+    assert sum(later) / len(later) <= 1.4 * 0.015, [round(t * 1000) for t in times]
 
 
 def test_a_long_prefill_alone_doubles_its_chunk_up_to_the_threshold():

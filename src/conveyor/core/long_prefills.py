@@ -62,7 +62,9 @@ class LongPrefills:
         self.credit = 0.0  # long tokens saved up beside other work
         self.others_s: float | None = None  # a step's time without long tokens
         self.token_s: float | None = None  # one long token's time on top of that
-        self.shared_steps = 0  # steps in a row with long tokens beside other work
+        # steps with long tokens beside other work since the last without (alone steps, in
+        # between, count for neither: a short request's few steps then still get a probe)
+        self.shared_steps = 0
         self.after_others = False  # the previous step had other work
 
     def is_long(self, tokens_left: int) -> bool:
@@ -89,7 +91,7 @@ class LongPrefills:
                 gap = self.GAP_STEPS * self.others_s / self.token_s  # type: ignore[operator]
                 return min(most, max(1, int(gap)))
             return most
-        if self.shared_steps >= self._PROBE_EVERY:
+        if self.others_s is None or self.shared_steps >= self._PROBE_EVERY:
             return 0  # this step times the others alone
         # Until both times are known: one token a step.
         rate = self.TIME_SHARE * self.others_s / self.token_s if known else 1.0  # type: ignore[operator]
@@ -105,7 +107,8 @@ class LongPrefills:
             self.credit = 0.0
         elif others > 0:
             self.credit = max(0.0, self.credit - tokens)
-        self.shared_steps = self.shared_steps + 1 if tokens and others > 0 else 0
+        if others > 0:
+            self.shared_steps = self.shared_steps + 1 if tokens else 0
         self.after_others = others > 0
 
 
