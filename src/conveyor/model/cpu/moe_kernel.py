@@ -1,8 +1,8 @@
 """A MoEBlock's experts described to csrc/moe.c: one C call runs a step's chosen experts
 (their linears are the fused decoder layers' team kernels): the module loop of models/moe.py,
-bit for bit for GGUF blocks. Used for steps of fewer rows than any expert's GEMM threshold (a QuantLinear
-switches to its dequantized GEMM from GEMM_ROWS rows, which moe.c does not run); longer
-steps keep the module loop."""
+bit for bit for GGUF blocks. Used for steps of fewer rows than any expert's GEMM threshold (a
+QuantLinear switches to its dequantized GEMM from GEMM_ROWS rows, which moe.c does not run);
+longer steps keep the module loop."""
 
 from __future__ import annotations
 
