@@ -267,34 +267,6 @@ def test_short_requests_one_after_another_get_the_others_time_measured():
     # decode steps at about 1 + TIME_SHARE times their own time on average.
     later = times[25:]
     assert sum(later) / len(later) <= 1.4 * 0.015, [round(t * 1000) for t in times]
-@pytest.mark.parametrize(("comes_back_s", "holds"), [(0.002, True), (1.0, False)])
-def test_the_engine_waits_for_a_returning_client_before_a_long_prefills_alone_step(
-    comes_back_s, holds
-):
-    # A client sends one short request after another beside a long prompt. When its request
-    # ends, only the long prompt is left: the next step would run it alone, and one of its
-    # tokens (10 ms) costs two decode steps. Once a few gaps were seen, the engine waits for
-    # a client that comes back sooner than that step would take, never for a slower one.
-    clock, sched = _dear_long_tokens()
-    sched.add_request(make_request("long", 3000, max_tokens=1))
-    holds_s = []
-    back_at = 0.0
-    for i in range(10):
-        short = make_request(f"s{i}", 4, max_tokens=12)
-        short.arrival_time = back_at
-        sched.add_request(short)
-        assert sched.hold_s() == 0.0  # a short request is waiting: no wait
-        while not short.is_finished:
-            clock.step(sched)
-            assert short.is_finished or sched.hold_s() == 0.0  # it is still running
-        holds_s.append(sched.hold_s())
-        back_at = clock.now + comes_back_s
-        if holds_s[-1] >= comes_back_s:  # the engine waits, and the client is back
-            clock.now = back_at
-        while clock.now < back_at:  # else it runs the long prompt alone meanwhile
-            clock.step(sched)
-    assert holds_s[:4] == [0.0] * 4  # too few gaps seen yet
-    assert holds_s[4:] == ([pytest.approx(comes_back_s)] * 6 if holds else [0.0] * 6)
 
 
 def test_a_long_prefill_alone_doubles_its_chunk_up_to_the_threshold():

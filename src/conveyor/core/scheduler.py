@@ -136,27 +136,10 @@ class Scheduler:
         )
         request.status = SequenceStatus.WAITING
         self.requests[request.request_id] = request
-        self.long_prefills.arrived(request.arrival_time)
         self.policy.on_enqueue(request, self.waiting.append(request))
         deadline_at = request.deadline_at
         if deadline_at != math.inf:
             heapq.heappush(self._deadlines, (deadline_at, next(self._deadline_seq), request))
-
-    def hold_s(self) -> float:
-        """Seconds the engine loop may wait for a new request before the next step: > 0 only
-        when that step would run long prefills alone right after other work ended
-        (LongPrefills.hold_s)."""
-        rule = self.long_prefills
-        if not (rule.threshold and rule.after_others and self.has_unfinished_requests()):
-            return 0.0
-        if not all(rule.is_long(r.num_tokens - r.num_computed_tokens) for r in self.running):
-            return 0.0
-        if not all(rule.is_long(r.num_tokens) for r in self.waiting):
-            return 0.0
-        hold = rule.hold_s(self.clock())
-        if hold:  # the wait is no part of the previous step's time (LongPrefills.observe)
-            self._step_tokens = 0
-        return hold
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks.
