@@ -39,7 +39,7 @@ from conveyor.model.cpu.kernel_structs import (
     StepDescC,
 )
 from conveyor.model.cpu.linear import CpuLinear
-from conveyor.model.cpu.quant_linear import _Q8A_BYTES, BLOCK, QuantLinear
+from conveyor.model.cpu.quant_linear import QuantLinear, q8a_bytes
 from conveyor.model.models.layers import GatedMLP, RMSNorm
 
 if TYPE_CHECKING:
@@ -213,7 +213,7 @@ class FusedLayers:
         passes = self._passes_of.passes if self._passes_of is not None else 1
         # One allocation for the scratch and the quantized activations, parts 64-byte aligned.
         parts = [-(-t * w // 16) * 16 for w in self._part_widths]
-        xq_floats = -(-passes * t * (self._widest_k // BLOCK) * _Q8A_BYTES // 4)
+        xq_floats = -(-q8a_bytes(passes, t, self._widest_k) // 4)
         scratch = torch.empty(sum(parts) + xq_floats, dtype=torch.float32)
         ptrs = [scratch.data_ptr()]
         for n in parts:

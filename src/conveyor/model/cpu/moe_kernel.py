@@ -14,7 +14,7 @@ import torch
 
 from conveyor.model.cpu.fused_layers import describe_linear
 from conveyor.model.cpu.kernel_structs import LinearDescC, MoeArgsC
-from conveyor.model.cpu.quant_linear import _Q8A_BYTES, BLOCK, QuantLinear
+from conveyor.model.cpu.quant_linear import QuantLinear, q8a_bytes
 
 _ERRORS = {1: "a quantized type the kernel does not handle", 4: "an expert id out of range"}
 
@@ -65,9 +65,7 @@ class MoeKernel:
         out = torch.zeros(t, h, dtype=torch.float32)
         scratch = torch.empty(t * (2 * h + 3 * inter), dtype=torch.float32)
         xg, gate_up, act, y = scratch.split([t * h, t * 2 * inter, t * inter, t * h])
-        xq = torch.empty(
-            self.passes * max(t, 1) * (max(h, inter) // BLOCK) * _Q8A_BYTES, dtype=torch.uint8
-        )
+        xq = torch.empty(q8a_bytes(self.passes, max(t, 1), max(h, inter)), dtype=torch.uint8)
         args = MoeArgsC(
             t=t, hidden=h, inter=inter, top_k=chosen.shape[1], num_experts=self.num_experts,
             passes=self.passes, num_threads=torch.get_num_threads(), x=x.data_ptr(),

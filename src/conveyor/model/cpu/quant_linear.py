@@ -51,6 +51,13 @@ GEMM_ROWS = 256
 _GEMM_SLICE = 1024  # weight rows dequantized at a time (1024 x 4096 floats: 16 MiB)
 _PANEL_SLICE_BYTES = 16 << 20  # bf16 panels per GEMM call of the AVX512-BF16 path
 _Q8A_BYTES = 40  # one activation block: float d, float s, int8 q[32]
+
+
+def q8a_bytes(passes: int, rows: int, k: int) -> int:
+    """Bytes of `rows` activation rows of width k quantized for the integer kernels."""
+    return passes * rows * (k // BLOCK) * _Q8A_BYTES
+
+
 # Every kept type runs on rows interleaved GROUP at a time (interleave_groups): bytes per
 # block of such a group (the K-quants' 6-bit scales decoded to bytes: 2-3% more).
 GROUP = 16  # csrc/kernels.h's QG
@@ -250,7 +257,7 @@ class QuantLinear(nn.Module):
             return self._gemm(rows, threads).view(*x.shape[:-1], self.out_features)
         out = torch.empty(m, self.out_features, dtype=torch.float32)
         if m:
-            xq = torch.empty(passes, m, k // BLOCK * _Q8A_BYTES, dtype=torch.uint8)
+            xq = torch.empty(q8a_bytes(passes, m, k), dtype=torch.uint8)
             xq_ptr, out_ptr, ldo = xq.data_ptr(), out.data_ptr(), self.out_features
             self._quantize(rows.data_ptr(), rows.stride(0), m, k, xq_ptr, passes, threads)
             for type_id, w, ldw, n, bias, start in self._launches():
