@@ -18,6 +18,7 @@ from hypothesis.stateful import (
 
 from conveyor.config import EngineConfig
 from conveyor.core.chunking import PROMPT_LOGPROBS_CHUNK
+from conveyor.core.long_prefills import LongPrefills, is_long_prefill
 from conveyor.core.policies import (
     FifoPolicy,
     SchedulingPolicy,
@@ -223,6 +224,40 @@ def test_a_long_token_dearer_than_a_decode_step_sits_steps_out_but_is_never_star
     assert 0.6 <= sum(takes[40:]) / 60 <= 0.9
 
 
+def test_a_long_prompts_last_tokens_still_take_only_the_share_beside_decodes():
+    # Below the threshold of tokens left, a long prompt's last chunk is the dearest of all
+    # (deepest into its context): it stays a long prefill until its prompt is done.
+    clock, sched = _dear_long_tokens()
+    sched.add_request(make_request("d", 4, max_tokens=2000))
+    clock.step(sched)
+    long = make_request("long", 300, max_tokens=2)
+    sched.add_request(long)
+    takes = []
+    while long.num_computed_tokens < 300:
+        takes.append(clock.step(sched).num_scheduled_tokens.get("long", 0))
+    assert max(takes) <= 2, takes  # never the 256-token tail at once
+    assert not is_long_prefill(256, long)  # decoding now
+
+
+def test_a_short_request_joining_a_long_prefill_gets_the_shared_step_not_the_alone_one():
+    # Only a long prompt runs and a short request arrives: in its first step the long prompt
+    # takes its share beside other work (here none yet: a token costs two decode steps),
+    # not the share it takes alone (a doubling chunk).
+    clock, sched = _dear_long_tokens()
+    sched.add_request(make_request("long", 3000, max_tokens=1))
+    for i in range(3):  # short requests one after another, so both times get measured
+        short = make_request(f"s{i}", 4, max_tokens=12)
+        sched.add_request(short)
+        while not short.is_finished:
+            clock.step(sched)
+        for _ in range(2):  # alone a while: its chunk doubles
+            clock.step(sched)
+    sched.add_request(make_request("late", 4, max_tokens=12))
+    first = clock.step(sched).num_scheduled_tokens
+    assert first["late"] == 4
+    assert first.get("long", 0) <= 1, first
+
+
 def test_the_long_prefill_share_follows_the_measured_step_times():
     from conveyor.core.long_prefills import LongPrefills
 
@@ -267,6 +302,37 @@ def test_short_requests_one_after_another_get_the_others_time_measured():
     # decode steps at about 1 + TIME_SHARE times their own time on average.
     later = times[25:]
     assert sum(later) / len(later) <= 1.4 * 0.015, [round(t * 1000) for t in times]
+
+
+@pytest.mark.parametrize(("comes_back_s", "holds"), [(0.002, True), (1.0, False)])
+def test_the_engine_waits_for_a_returning_client_before_a_long_prefills_alone_step(
+    comes_back_s, holds
+):
+    # A client sends one short request after another beside a long prompt. When its request
+    # ends, only the long prompt is left: the next step would run it alone, and one of its
+    # tokens (10 ms) costs two decode steps. Once a few gaps were seen, the engine waits for
+    # a client that comes back sooner than that step would take, never for a slower one.
+    clock, sched = _dear_long_tokens()
+    sched.add_request(make_request("long", 3000, max_tokens=1))
+    holds_s = []
+    back_at = 0.0
+    for i in range(10):
+        short = make_request(f"s{i}", 4, max_tokens=12)
+        short.arrival_time = back_at
+        sched.add_request(short)
+        assert sched.hold_s() == 0.0  # a short request is waiting: no wait
+        while not short.is_finished:
+            clock.step(sched)
+            assert short.is_finished or sched.hold_s() == 0.0  # it is still running
+        holds_s.append(sched.hold_s())
+        back_at = clock.now + comes_back_s
+        if holds_s[-1] >= comes_back_s:  # the engine waits, and the client is back
+            clock.now = back_at
+        while clock.now < back_at:  # else it runs the long prompt alone meanwhile
+            clock.step(sched)
+    assert holds_s[:4] == [0.0] * 4  # too few gaps seen yet
+    hold_s = pytest.approx(comes_back_s + LongPrefills.HOLD_MARGIN_S)
+    assert holds_s[4:] == ([hold_s] * 6 if holds else [0.0] * 6)
 
 
 def test_a_long_prefill_alone_doubles_its_chunk_up_to_the_threshold():
@@ -745,7 +811,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         after = [left[r.request_id] - n.get(r.request_id, 0) for r in running]
         assert sum(a > 1 for a in after) <= cfg.max_num_partial_prefills
         if threshold:
-            longs = [r for r in running if left[r.request_id] > threshold]
+            longs = [r for r in running if is_long_prefill(threshold, r)]
             assert len(longs) <= cfg.max_long_partial_prefills
             long_total = sum(n.get(r.request_id, 0) for r in longs)
             assert all(n.get(r.request_id, 0) <= threshold for r in longs)
@@ -761,7 +827,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             # Budget to spare: every running request but a long prefill (which may sit a step
             # out beside others) got some, unless a preemption cut the step short.
             starved = [
-                rid for rid, k in left.items() if k > 0 and rid not in n and not 0 < threshold < k
+                r.request_id
+                for r in running
+                if left[r.request_id] > 0
+                and r.request_id not in n
+                and not is_long_prefill(threshold, r)
             ]
             assert out.preempted_request_ids or not starved, (left, n)
 

@@ -94,8 +94,7 @@ def admit_waiting(
                     num_partial = sum(
                         is_partial(r, num_scheduled.get(r.request_id, 0)) for r in running
                     )
-                    num_long = sum(rule.is_long(r.num_tokens - r.num_computed_tokens)
-                                   for r in running)  # fmt: skip
+                    num_long = sum(map(rule.in_progress, running))
                 if num_partial >= rule.max_partial or (
                     long and (num_long >= rule.max_long_partial or long_share <= 0)
                 ):

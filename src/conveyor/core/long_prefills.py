@@ -1,9 +1,11 @@
 """The long-prefill rule of the scheduler (`LongPrefills`).
 
 A request with more than `long_prefill_token_threshold` (T) tokens left to compute is a long
-prefill. On a CPU a step's time grows with its prompt tokens (a prompt token deep into a long
-context can cost more than a whole decode step), so one long prompt taking the whole budget
-stalls every decode and every short prompt for seconds. Instead, in each step:
+prefill, and stays one until its prompt is done (`is_long_prefill`: its last T tokens, deep
+into its own long context, cost the most of all). On a CPU a step's time grows with its prompt
+tokens (a prompt token deep into a long context can cost more than a whole decode step), so
+one long prompt taking the whole budget stalls every decode and every short prompt for
+seconds. Instead, in each step:
 
     the others (decodes, short prefills)   go first, as before
     long prefills, together                beside other work: the tokens that take about
@@ -24,9 +26,32 @@ without long tokens give the others' step time, the others with long tokens the 
 long token (which grows with the prompt's context). So the other requests' steps take about
 1 + TIME_SHARE times as long as alone and the long prefill gets the rest of the machine; on a
 GPU, where a prompt token costs next to nothing, the long prefills get T tokens a step.
+
+A request arriving while a long prefill runs alone waits for that step, and one long token
+deep into a long context can cost many decode steps. So when the other requests have just
+ended and only long prefills are left, the engine loop first waits a moment for the next
+request (`hold_s`): as long as the recent gaps between the others' end and the next arrival
+(a client sending one request after another), and only while that is shorter than the
+alone step it puts off. A long prefill loses at most that moment each time the others end.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conveyor.core.sequence import Sequence
+
+
+def is_long_prefill(threshold: int, req: Sequence) -> bool:
+    """Whether `req` (running or waiting) is a long prefill under `threshold` (0: none is):
+    more than `threshold` tokens left to compute, or a prompt of more than `threshold`
+    tokens beyond its prefix-cache hits that is still being computed."""
+    left = req.num_tokens - req.num_computed_tokens
+    if left <= 1 or threshold <= 0:
+        return False
+    return threshold < max(left, req.num_tokens - max(req.num_cached_tokens, 0))
 
 
 class LongPrefills:
@@ -49,9 +74,15 @@ class LongPrefills:
     # others' own step time stays measured as it changes.
     _PROBE_EVERY = 8
 
+    # Gaps between the others' end and the next arrival kept, and the share of them a hold
+    # covers (a high quantile: most returning clients, not the slowest).
+    HOLD_SAMPLES = 16
+    HOLD_QUANTILE = 0.8
+    HOLD_MARGIN_S = 0.002
+
     __slots__ = (
-        "after_others", "credit", "last_step_tokens", "max_long_partial", "max_partial",
-        "others_s", "shared_steps", "threshold", "token_s",
+        "after_others", "credit", "gaps", "last_step_tokens", "max_long_partial", "max_partial",
+        "others_end", "others_s", "shared_steps", "threshold", "token_s",
     )  # fmt: skip
 
     def __init__(self, threshold: int, max_partial: int, max_long_partial: int) -> None:
@@ -66,10 +97,16 @@ class LongPrefills:
         # between, count for neither: a short request's few steps then still get a probe)
         self.shared_steps = 0
         self.after_others = False  # the previous step had other work
+        self.gaps: deque[float] = deque(maxlen=self.HOLD_SAMPLES)
+        self.others_end: float | None = None  # when the others last ended, until an arrival
 
     def is_long(self, tokens_left: int) -> bool:
-        """Whether a request with `tokens_left` tokens to compute is a long prefill."""
+        """Whether a waiting request with `tokens_left` tokens to compute is a long prefill."""
         return 0 < self.threshold < tokens_left
+
+    def in_progress(self, req: Sequence) -> bool:
+        """Whether running request `req` is a long prefill (`is_long_prefill`)."""
+        return is_long_prefill(self.threshold, req)
 
     def observe(self, others: int, longs: int, seconds: float) -> None:
         """The previous step, of `others` + `longs` tokens, took `seconds` (back to back)."""
@@ -110,6 +147,26 @@ class LongPrefills:
         if others > 0:
             self.shared_steps = self.shared_steps + 1 if tokens else 0
         self.after_others = others > 0
+
+    def hold_s(self, now: float) -> float:
+        """The others ended at `now` and only long prefills are left: seconds to wait for
+        the next request before their alone step (0: do not wait)."""
+        self.others_end = now
+        if len(self.gaps) < self.HOLD_SAMPLES // 4 or self.token_s is None:
+            return 0.0
+        ranked = sorted(self.gaps)
+        # An arrival is stamped when the server got it, a little before the engine does.
+        hold = ranked[int(self.HOLD_QUANTILE * (len(ranked) - 1))] + self.HOLD_MARGIN_S
+        # The alone step it would otherwise start (share(0)'s first tokens, at least one).
+        step_s = max(self.token_s, self.GAP_STEPS * (self.others_s or 0.0))
+        return hold if hold < step_s else 0.0
+
+    def arrived(self, arrival_time: float) -> None:
+        """A request arrived at `arrival_time`: the first one after the others ended is a
+        gap sample (0 when it came before)."""
+        if self.others_end is not None:
+            self.gaps.append(max(0.0, arrival_time - self.others_end))
+            self.others_end = None
 
 
 def _cautious(average: float | None, sample: float, up: bool) -> float:

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from conveyor.config import EngineConfig
 from conveyor.core.block_manager import BlockManager
+from conveyor.core.long_prefills import is_long_prefill
 from conveyor.core.sequence import Sequence
 
 
@@ -166,7 +167,7 @@ class SchedulingPolicy(ABC):
         threshold = self.long_threshold
 
         def is_long(r: Sequence) -> bool:  # a long prefill of the chunking rule
-            return 0 < threshold < r.num_tokens - r.num_computed_tokens
+            return is_long_prefill(threshold, r)
 
         seats = self.max_num_seqs - len(running)
         free = math.inf if bm is None else bm.num_free_blocks - sum(map(growth, running))

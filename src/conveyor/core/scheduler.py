@@ -42,7 +42,7 @@ from conveyor.core.admission import admit_waiting
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.chunking import num_tokens_to_schedule
 from conveyor.core.limits import check_kv_fits
-from conveyor.core.long_prefills import LongPrefills
+from conveyor.core.long_prefills import LongPrefills, is_long_prefill
 from conveyor.core.policies import make_policy
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceStatus
@@ -136,10 +136,27 @@ class Scheduler:
         )
         request.status = SequenceStatus.WAITING
         self.requests[request.request_id] = request
+        self.long_prefills.arrived(request.arrival_time)
         self.policy.on_enqueue(request, self.waiting.append(request))
         deadline_at = request.deadline_at
         if deadline_at != math.inf:
             heapq.heappush(self._deadlines, (deadline_at, next(self._deadline_seq), request))
+
+    def hold_s(self) -> float:
+        """Seconds the engine loop may wait for a new request before the next step: > 0 only
+        when that step would run long prefills alone right after other work ended
+        (LongPrefills.hold_s)."""
+        rule = self.long_prefills
+        if not (rule.threshold and rule.after_others and self.has_unfinished_requests()):
+            return 0.0
+        if not all(map(rule.in_progress, self.running)):
+            return 0.0
+        if not all(rule.is_long(r.num_tokens) for r in self.waiting):
+            return 0.0
+        hold = rule.hold_s(self.clock())
+        if hold:  # the wait is no part of the previous step's time (LongPrefills.observe)
+            self._step_tokens = 0
+        return hold
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks.
@@ -177,36 +194,34 @@ class Scheduler:
             running[:], budget, scheduled, num_scheduled, preempted_ids, longs, None
         )
         others = self.max_num_batched_tokens - budget
-        share = rule.share(others) if rule.threshold and (longs or self.waiting) else 0
         long_tokens = 0
+        waiting_long = False
+        # Nothing but long prefills is running and a short request waits: it joins this step,
+        # so it is admitted first and the long prefills take their share beside it, not the
+        # (dearer) one they would take alone.
+        joining = bool(longs) and not others and self._short_request_waits()
+        if joining:
+            budget, long_tokens, waiting_long = self._admit(
+                budget, scheduled, num_scheduled, admitted, preempted_ids,
+                num_policy_preemptions, now, 0,
+            )  # fmt: skip
+            others = self.max_num_batched_tokens - budget
+        share = rule.share(others) if rule.threshold and (longs or self.waiting) else 0
         if longs and share > 0 and not stopped:
             cap = max(1, share // len(longs))
             budget, stopped = self._schedule_running(
                 longs, budget, scheduled, num_scheduled, preempted_ids, None, cap
             )
-            long_tokens = sum(num_scheduled.get(r.request_id, 0) for r in longs)
+            long_tokens += sum(num_scheduled.get(r.request_id, 0) for r in longs)
             # Back in running order (the deferred long ones were appended last).
             scheduled[:] = [r for r in running if r.request_id in num_scheduled]
 
-        # 2. Waiting requests, unless blocks ran short this step (admitting more would only
-        #    be preempted again next step).
-        waiting_long = False
-        if (
-            len(preempted_ids) == num_policy_preemptions
-            and self.waiting
-            and budget > 0
-            and len(running) < self.max_num_seqs
-            and self.block_manager.num_free_blocks > 0
-            and self.policy.may_admit(running)
-        ):
-            # Requests the policy just preempted are not re-admitted in the same step.
-            skip = set(preempted_ids)
-            long_share = share - long_tokens
-            if num_policy_preemptions:  # a long prompt the policy preempted for is admitted
-                long_share = max(long_share, 1)
-            budget, admitted_long, waiting_long = admit_waiting(
-                self, budget, scheduled, num_scheduled, admitted, now, skip, long_share
-            )
+        # 2. Waiting requests (unless admitted above).
+        if not joining:
+            budget, admitted_long, waiting_long = self._admit(
+                budget, scheduled, num_scheduled, admitted, preempted_ids,
+                num_policy_preemptions, now, share - long_tokens,
+            )  # fmt: skip
             long_tokens += admitted_long
         total = self.max_num_batched_tokens - budget
         if rule.threshold:
@@ -223,6 +238,43 @@ class Scheduler:
             preempted_request_ids=preempted_ids,
             finished_request_ids=finished_ids,
             admitted=admitted,
+        )
+
+    def _short_request_waits(self) -> bool:
+        """Whether one of the first few waiting requests is not a long prefill (a few: the
+        queue may be long, and a wrong guess only changes one step's share)."""
+        is_long = self.long_prefills.is_long
+        return any(not is_long(r.num_tokens) for r in itertools.islice(self.waiting, 8))
+
+    def _admit(
+        self,
+        budget: int,
+        scheduled: list[Sequence],
+        num_scheduled: dict[str, int],
+        admitted: list[Sequence],
+        preempted_ids: list[str],
+        num_policy_preemptions: int,
+        now: float,
+        long_share: int,
+    ) -> tuple[int, int, bool]:
+        """Admits waiting requests into the step (admission.admit_waiting), unless blocks
+        ran short this step (admitting more would only be preempted again next step).
+        Returns the budget left, the tokens long prefills took and whether a long one was
+        admitted or passed over."""
+        if not (
+            len(preempted_ids) == num_policy_preemptions
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and self.block_manager.num_free_blocks > 0
+            and self.policy.may_admit(self.running)
+        ):
+            return budget, 0, False
+        # Requests the policy just preempted are not re-admitted in the same step.
+        if num_policy_preemptions:  # a long prompt the policy preempted for is admitted
+            long_share = max(long_share, 1)
+        return admit_waiting(
+            self, budget, scheduled, num_scheduled, admitted, now, set(preempted_ids), long_share
         )
 
     def _schedule_running(
@@ -248,9 +300,7 @@ class Scheduler:
             if req.status is not _RUNNING:  # preempted earlier in this step
                 continue
             computed = req.num_computed_tokens
-            if threshold and (
-                len(req.prompt_token_ids) + len(req.output_token_ids) - computed > threshold
-            ):
+            if threshold and is_long_prefill(threshold, req):
                 longs.append(req)  # type: ignore[union-attr]
                 continue
             n = num_tokens_to_schedule(req, computed, budget)

@@ -184,6 +184,12 @@ class EngineThread:
                     logger.warning("Shutdown grace period is over: aborting %d requests.", len(ids))
                     outputs += engine.abort_request(ids, self._abort_reason)
                 num_tokens, step_time = 0, 0.0
+                hold = engine.scheduler.hold_s() if not self._inbox else 0.0
+                if hold > 0:  # only long prompts are left: the next request may be near
+                    self._wakeup.clear()
+                    if not self._inbox:
+                        self._wakeup.wait(hold)
+                    outputs += self._apply_inbox()
                 if engine.has_unfinished_requests():
                     start = time.monotonic()
                     try:
