@@ -618,7 +618,7 @@ def test_unresolved_config_is_rejected():
 def test_unknown_policy_name_lists_the_choices():
     with pytest.raises(ValueError, match="choose one of: fifo"):
         make_policy("nope", EngineConfig())
-    with pytest.raises(ValueError, match="unknown scheduler"):
+    with pytest.raises(ValueError, match="scheduler must be one of fifo"):
         make_scheduler(scheduler="nope")
     assert "fifo" in available_policies()
     assert isinstance(make_policy("fifo", EngineConfig()), FifoPolicy)

@@ -217,4 +217,4 @@ def test_cli_simulate_reports_bad_input_without_a_traceback(tmp_path, capsys):
     assert main(["simulate", "--trace", str(tmp_path / "t.txt")]) == 2
     assert "a trace must be a .json or .csv file" in capsys.readouterr().err
     assert main(["simulate", "--scheduler", "nope", "--num-requests", "5"]) == 2
-    assert "unknown scheduler" in capsys.readouterr().err
+    assert "scheduler must be one of fifo" in capsys.readouterr().err

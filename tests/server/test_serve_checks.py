@@ -100,8 +100,8 @@ def test_a_checkpoint_without_a_tokenizer_says_to_pass_one(
 
 def test_an_unknown_scheduler_is_refused_by_the_config(capsys, demo_model_dir) -> None:
     expected = (
-        "unknown scheduler 'lifo'; choose one of: fifo, length-aware, preemptive-sjf, "
-        "priority, sjf, static."
+        "scheduler must be one of fifo, length-aware, preemptive-sjf, priority, sjf, static; "
+        "got 'lifo'."
     )
     assert _serve_error(capsys, "--model", str(demo_model_dir), "--scheduler", "lifo") == expected
     with pytest.raises(ValueError) as info:  # no model, no KV cache: the config alone

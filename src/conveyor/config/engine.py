@@ -18,7 +18,6 @@ from conveyor.config.settings import (
     PARALLELISM,
     SCHEDULING,
     check_choices,
-    choices_of,
     lazy_choices,
     setting,
 )
@@ -207,13 +206,9 @@ class EngineConfig:
             "tensor_parallel_size",
         ):
             check_positive_int(name, getattr(self, name))
-        # Here, not when the scheduler is built: that comes after the weights and the KV cache.
-        policies = choices_of(EngineConfig.__dataclass_fields__["scheduler"]) or ()
-        if self.scheduler not in policies:
-            raise ValueError(
-                f"unknown scheduler {self.scheduler!r}; choose one of: {', '.join(policies)}."
-            )
-        check_choices(self)  # every field with choices: block_size, the backends, dtypes, ...
+        # Every field with choices (the scheduler, block_size, the backends, dtypes, ...): here,
+        # not when the scheduler is built, which comes after the weights and the KV cache.
+        check_choices(self)
         if self.num_kv_blocks is not None:
             check_positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:
