@@ -26,6 +26,9 @@ from the block table, so a tile may span cache blocks of any size. With NUM_SPLI
 contexts but too few programs to fill the GPU) each program walks 1/NUM_SPLITS of its keys and
 writes (acc, m, l) to fp32 scratch; `_reduce_splits_kernel` merges them.
 
+Attention sinks (gpt-oss; SINKS): each query head's sink logit joins the running max and the
+sum l once the keys are done (in the reduce kernel when the keys are split), adding no value.
+
 int8 cache: K/V hold int8 with one fp32 scale per (token, head); K's scale multiplies the
 scores of its column (exact, and cheaper than dequantising the tile), V is dequantised.
 bf16 is computed in fp32 under the interpreter (its bf16 arithmetic is wrong); on a GPU fp16
@@ -65,7 +68,7 @@ def _find_request(qsl_ptr, qb, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, cache_ptr, scales_ptr, tables_ptr, seq_lens_ptr, qsl_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
     qk_scale, num_seqs,
     s_qt, s_qh, s_ot, s_oh, s_ckv, s_cblk, s_cslot, s_chead,
     s_skv, s_sblk, s_sslot, s_shead, s_table,
@@ -73,7 +76,7 @@ def _paged_attention_kernel(
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     QUANT: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -143,6 +146,13 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if SINKS:  # the sink (in exp2 units) joins the max and the sum
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            sink = sink * 1.4426950408889634  # LOG2E
+            m_sink = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_sink)
+            l_i = l_i * alpha + tl.exp2(sink - m_sink)
+            acc = acc * alpha[:, None]
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + row[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -157,9 +167,9 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, s_ot, s_oh,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, s_ot, s_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, query head): merge the splits' softmax states."""
     t = tl.program_id(0).to(tl.int64)
@@ -171,8 +181,14 @@ def _reduce_splits_kernel(
     l_s = tl.load(part_l_ptr + part)
     acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :])
     m_max = tl.max(m, axis=0)  # finite: every row sees at least its own key
+    if SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634  # LOG2E
+        m_max = tl.maximum(m_max, sink)
     w = tl.exp2(m - m_max)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    denom = tl.sum(l_s * w, axis=0)
+    if SINKS:
+        denom += tl.exp2(sink - m_max)
+    out = tl.sum(acc * w[:, None], axis=0) / denom
     tl.store(out_ptr + t * s_ot + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)  # fmt: skip
 
@@ -237,6 +253,7 @@ def paged_attention(
     num_splits: int | None = None,
     window: int | None = None,
     tuning: tuple[int, int, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for one mixed prefill/decode varlen batch (K/V already cached).
 
@@ -253,6 +270,8 @@ def paged_attention(
         window: sliding window (position p sees keys p - window + 1 .. p); None: all keys.
         tuning: (TILE_N, num_warps, num_stages) in place of `_tiling`'s and the default 2
             stages (benchmarks/attention.py --tile-sweep); None: the defaults.
+        sinks: [Hq] each query head's sink logit, contiguous (gpt-oss): it joins the
+            softmax's max and denominator only; None: none.
     Returns:
         [T, Hq, D] in q's dtype.
     """
@@ -278,6 +297,12 @@ def paged_attention(
         check(x is kv_cache or x.dtype == torch.int32, f"{name} must be int32, got {x.dtype}.")
     check(max_query_len >= 1 and max_seq_len >= max_query_len, "bad max_query_len/max_seq_len.")
     check(window is None or window >= 1, f"window must be >= 1, got {window}.")
+    if sinks is not None:
+        check(
+            tuple(sinks.shape) == (hq,) and sinks.stride(0) == 1 and sinks.is_floating_point(),
+            f"sinks must be a contiguous float [{hq}] tensor, got {tuple(sinks.shape)}.",
+        )
+        check(sinks.device == q.device, f"sinks is on {sinks.device}, q on {q.device}.")
 
     group = hq // hkv
     block_m, block_q, tile_n, num_warps = _tiling(group, max_query_len, q.dtype, quant)
@@ -306,19 +331,21 @@ def paged_attention(
     grid = (num_q_blocks, hkv, num_splits)
     _paged_attention_kernel[grid](
         out, q, kv_cache, scales, block_tables, seq_lens, query_start_loc,
-        part_acc, part_m, part_l,
+        part_acc, part_m, part_l, q if sinks is None else sinks,
         scale * LOG2E, b,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_cache.stride()[:4],
         *s_scales, block_tables.stride(0),
         NUM_Q_HEADS=hq, GROUP=group, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_splits,
-        QUANT=quant, COMPUTE=compute, WINDOW=window or 0,
+        QUANT=quant, COMPUTE=compute, WINDOW=window or 0, SINKS=sinks is not None,
         PRECISION="ieee" if compute == tl.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_splits_kernel[(t, hq)](
-            out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+            out, part_acc, part_m, part_l, q if sinks is None else sinks,
+            out.stride(0), out.stride(1),
             NUM_Q_HEADS=hq, HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            SINKS=sinks is not None,
         )  # fmt: skip
     return out

@@ -79,6 +79,28 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             intermediate_size=64,
         ),
     ),
+    # gpt-oss: attention sinks, a window of 8 in layer 0 (layer 1 full), YaRN, the router's
+    # top-k softmax, the experts' biases and clamped SwiGLU, stacked experts in the file.
+    "gpt-oss": (
+        "GptOssConfig",
+        dict(
+            tie_word_embeddings=False,
+            head_dim=16,
+            sliding_window=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
 }
 
 
@@ -116,6 +138,8 @@ def write_checkpoint(
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0.0, init_std)
+            elif name.endswith("sinks"):  # gpt-oss: as large as the scores, so they count
+                param.normal_(0.0, 1.0)
             elif "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     model.generation_config.eos_token_id = tok.eos_token_id

@@ -22,6 +22,7 @@ buffers); every other step runs eagerly.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +38,14 @@ from conveyor.model.kv_sizing import allocate_kv_cache, plan_kv_cache
 from conveyor.model.loading.demo import demo_model_path
 from conveyor.model.loading.hf_config import read_hf_config
 from conveyor.model.loading.loader import load_weights
+from conveyor.model.models.moe import experts_on_host
 from conveyor.model.pooler import Pooler, PoolRows
 from conveyor.model.runner_settings import resolve_settings
 from conveyor.model.sampling.logits_guard import FiniteLogitsGuard
 from conveyor.model.sampling.prompt_logprobs import PromptRows, prompt_logprobs
 from conveyor.model.sampling.sampler import Sampler, SamplerOutput
+
+logger = logging.getLogger(__name__)
 
 # What a step returns: sampled requests, their SamplerOutput, prompt logprobs, embeddings.
 StepResult = tuple[
@@ -121,8 +125,12 @@ class ModelRunner:
     def _graphs_apply(self, config: EngineConfig) -> bool:
         """CUDA graphs need CUDA, a whole model here (no tensor-parallel collectives inside a
         graph yet), and an attention backend that reads a step's shape from device tensors
-        only (supports_cuda_graphs); enforce_eager turns them off."""
+        only (supports_cuda_graphs), and no mixture of experts on its module loop (which reads
+        each expert's token count on the host: gpt-oss's); enforce_eager turns them off."""
         if config.enforce_eager or self.device.type != "cuda" or self.tp is not None:
+            return False
+        if experts_on_host(self.model):
+            logger.info("CUDA graphs: off (the experts run module by module).")
             return False
         return self.model.attention_backend.supports_cuda_graphs
 

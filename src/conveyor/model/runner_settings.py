@@ -8,7 +8,7 @@ and the checkpoint's config.json, resolved and checked before anything loads.
     model        its class (an unsupported architecture is named first) and its config, this
                  rank's KV heads, and max_model_len (at most the model's context)
     attention    the backend (attention/registry.py), refused if it cannot run the model's
-                 sliding windows or an int8 cache
+                 sliding windows, its attention sinks or an int8 cache
 
 How many KV blocks these buy is the KV planner's (model/kv_sizing.py).
 """
@@ -101,7 +101,7 @@ def resolve_settings(
         kv_config = shard.local_config(kv_config)
     attention = get_attention_backend(config.attention_backend, device)
     windows = any(w is not None for w in kv_config.layer_windows)
-    attention.check_supports(config.kv_cache_dtype, windows)
+    attention.check_supports(config.kv_cache_dtype, windows, cls.attention_sinks)
     return RunnerSettings(
         device=device,
         dtype=dtype,

@@ -92,11 +92,12 @@ def cpu_paged_attention(
     scale: float,
     kernels: CpuKernels,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention over one mixed varlen batch for a float32 cache: writes this step's
     k, v [T, Hkv, D] into kv_cache at meta.slot_mapping (in the kernel's call, before any row
     attends), then the contract of torch_attention.paged_attention.
-    window: the layer's sliding window (None: the whole context).
+    window: the layer's sliding window (None: the whole context); sinks: [Hq] (None: none).
 
     Returns:
         [T, Hq * D] attention output, rows in token order.
@@ -111,8 +112,11 @@ def cpu_paged_attention(
     out = q.new_empty(t, hq, d)
     k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (k, v))
     # With no rows (every chunk long) it only writes the new K/V.
-    kernels.paged_attention(q, out, kv_cache, plan.kernel_rows, scale, (k, v, meta.slot_mapping))
-    attend_chunks(q, k, v, kv_cache, plan.chunks, out, scale)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    new_kv = (k, v, meta.slot_mapping)
+    kernels.paged_attention(q, out, kv_cache, plan.kernel_rows, scale, new_kv, sinks)
+    attend_chunks(q, k, v, kv_cache, plan.chunks, out, scale, sinks)
     return out.view(t, hq * d)
 
 
@@ -126,7 +130,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     reference backend it extends instead.
     """
 
-    name = "cpu"  # int8 and windows: as the reference it extends
+    name = "cpu"  # int8, windows and sinks: as the reference it extends
     layer_kernels = "c"
 
     def __init__(self, device: torch.device) -> None:
@@ -144,6 +148,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if (
             self._kernels is None
@@ -151,6 +156,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             or kv_cache.dtype not in (torch.float32, torch.bfloat16)
             or q.dtype != torch.float32
         ):
-            return super().forward(q, k, v, kv_cache, meta, scale, window)
+            return super().forward(q, k, v, kv_cache, meta, scale, window, sinks)
         # The kernel writes this step's K/V into the cache itself, before it attends.
-        return cpu_paged_attention(q, k, v, kv_cache, meta, scale, self._kernels, window)
+        return cpu_paged_attention(q, k, v, kv_cache, meta, scale, self._kernels, window, sinks)

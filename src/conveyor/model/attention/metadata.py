@@ -150,6 +150,7 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     supports_int8_kv: ClassVar[bool] = False  # a QuantizedKVCache (model/kv_cache.py)
     supports_sliding_window: ClassVar[bool] = False  # forward's `window`
+    supports_sinks: ClassVar[bool] = False  # forward's `sinks` (gpt-oss)
     # The library whose norm, rotary and activation kernels come with this backend
     # (loading/loader.py's load_weights puts the layers on them): "triton"
     # (conveyor.kernels.fused, on CUDA) or "c" (model/cpu/cpu_kernels.py, in float32; it also
@@ -160,14 +161,16 @@ class AttentionBackend(ABC):
         self.device = device
 
     @classmethod
-    def check_supports(cls, kv_cache_dtype: str, windows: bool) -> None:
+    def check_supports(cls, kv_cache_dtype: str, windows: bool, sinks: bool = False) -> None:
         """ValueError when this backend cannot run a cache of `kv_cache_dtype` ("auto" or
-        "int8"), or sliding-window layers where the model has some (`windows`)."""
+        "int8"), sliding-window layers where the model has some (`windows`), or attention
+        sinks where it has them (`sinks`)."""
         missing = [
             what
             for what, needed, supported in (
                 ("an int8 KV cache", kv_cache_dtype == "int8", cls.supports_int8_kv),
                 ("sliding-window layers", windows, cls.supports_sliding_window),
+                ("attention sinks", sinks, cls.supports_sinks),
             )
             if needed and not supported
         ]
@@ -187,7 +190,11 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]; stores k/v at meta.slot_mapping.
 
-        window: the layer's sliding window (None: the whole context)."""
+        window: the layer's sliding window (None: the whole context).
+        sinks: [Hq], each query head's sink logit: it joins the softmax's denominator
+            (exp(sink - m) with m the max over the scores and the sink) and adds no value;
+            None: no sinks. Only a backend that declares supports_sinks gets one."""

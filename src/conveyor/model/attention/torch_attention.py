@@ -8,6 +8,9 @@ dequantised first.
 
 Sliding window W: the token at position p sees keys p - W + 1 .. p. Decode rows and prefill
 chunks gather only from the first block their window touches and mask the keys before it.
+
+Attention sinks (gpt-oss): SDPA gets one more key, zero, with a zero value and the head's sink
+as its mask entry: exp(sink - m) joins the softmax's denominator and adds nothing to the sum.
 """
 
 from __future__ import annotations
@@ -218,6 +221,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference paged attention over one mixed prefill/decode varlen batch.
 
@@ -230,6 +234,7 @@ def paged_attention(
         meta: the step's metadata; its backend_state caches the plan across layers.
         scale: softmax scale (usually head_dim ** -0.5).
         window: the layer's sliding window (None: the whole context).
+        sinks: [Hq] each query head's sink logit (None: none).
     Returns:
         [T, Hq * D] attention output, rows in token order.
     """
@@ -239,11 +244,11 @@ def paged_attention(
     t, hq, d = q.shape
     groups = plan.decode_groups
     if plan.num_decodes == t and len(groups) == 1:  # pure decode, one group: its result is all
-        return _decode(q, kv_cache, groups[0], scale).reshape(t, hq * d)
+        return _decode(q, kv_cache, groups[0], scale, sinks).reshape(t, hq * d)
     out = q.new_empty(t, hq, d)
     for g in groups:
-        out[g.rows] = _decode(q[g.rows], kv_cache, g, scale)
-    attend_chunks(q, k, v, kv_cache, plan.chunks, out, scale)
+        out[g.rows] = _decode(q[g.rows], kv_cache, g, scale, sinks)
+    attend_chunks(q, k, v, kv_cache, plan.chunks, out, scale, sinks)
     return out.view(t, hq * d)
 
 
@@ -255,6 +260,7 @@ def attend_chunks(
     chunks: list[Chunk],
     out: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Each prefill chunk's attention (one SDPA per chunk), written into out [T, Hq, D]."""
     for c in chunks:
@@ -267,13 +273,38 @@ def attend_chunks(
                 x[: c.seq_len - c.key_start].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
                 for x in gather_kv(kv_cache, c.block_ids, q.dtype)
             )
+        mask = c.mask
+        if sinks is not None:
+            if mask is None:  # causal over the chunk's own keys
+                causal = torch.ones(qc.shape[2], kc.shape[2], dtype=torch.bool, device=q.device)
+                mask = _additive(causal.tril_(), q.dtype)
+            kc, vc, mask = _with_sinks(kc, vc, mask, sinks.view(1, -1, 1, 1))
         o = F.scaled_dot_product_attention(
-            qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=True
+            qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
         out[c.start : c.end] = o[0].transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, kv_cache: KVCache, group: _DecodeGroup, scale: float) -> torch.Tensor:
+def _with_sinks(
+    k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v [B, Hkv, L, D] and the additive mask [..., Q, L] with one more key: zero, its
+    value zero and its mask entry the sink (`sinks` broadcast to [..., Q, 1]), so its score
+    is exactly the sink."""
+    zero = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    rows = torch.broadcast_shapes(mask.shape[:-1], sinks.shape[:-1])
+    column = sinks.to(mask.dtype).expand(*rows, 1)
+    mask = torch.cat([mask.expand(*rows, mask.shape[-1]), column], dim=-1)
+    return torch.cat([k, zero], dim=-2), torch.cat([v, zero], dim=-2), mask
+
+
+def _decode(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    group: _DecodeGroup,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A group of query-length-1 rows at once: one gather, one SDPA with a key-length mask.
 
     GQA without expanding K/V: the G query heads that share a KV head become G query rows of
@@ -285,8 +316,11 @@ def _decode(q: torch.Tensor, kv_cache: KVCache, group: _DecodeGroup, scale: floa
     hkv = k.shape[1]
     k = k.view(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, L, D]
     v = v.view(bd, -1, hkv, d).transpose(1, 2)
+    mask = group.mask
+    if sinks is not None:  # query head x * G + g is row g of KV head x
+        k, v, mask = _with_sinks(k, v, mask, sinks.view(1, hkv, hq // hkv, 1))
     o = F.scaled_dot_product_attention(
-        q.view(bd, hkv, hq // hkv, d), k, v, attn_mask=group.mask, scale=scale
+        q.view(bd, hkv, hq // hkv, d), k, v, attn_mask=mask, scale=scale
     )
     return o.reshape(bd, hq, d)
 
@@ -302,6 +336,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_int8_kv = True  # gathered and dequantised
     supports_sliding_window = True
+    supports_sinks = True
 
     def forward(
         self,
@@ -312,8 +347,9 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Fresh prompts attend to k/v as the cache holds them (int8: their round trip), so
         # this reference sees exactly what the Triton kernel reads back.
         k, v = write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        return paged_attention(q, k, v, kv_cache, meta, scale, window)
+        return paged_attention(q, k, v, kv_cache, meta, scale, window, sinks)

@@ -19,6 +19,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True  # a step's shape: from device tensors
     supports_int8_kv = True
     supports_sliding_window = True
+    supports_sinks = True
     layer_kernels = "triton"
 
     def __init__(self, device: torch.device) -> None:
@@ -34,6 +35,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cache, scales = (
             (kv_cache.data, kv_cache.scales)
@@ -52,6 +54,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_seq_len,
             kv_scales=scales,
             window=window,
+            sinks=sinks,
         )
         return out.view(q.shape[0], -1)
 

@@ -384,6 +384,7 @@ class CpuKernels:
         rows: AttentionRows,
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Attention of single query rows over their paged context, written into out; first
         (same call, same threads) the step's new K/V rows into the cache when new_kv is given.
@@ -396,6 +397,8 @@ class CpuKernels:
             new_kv: (k, v, slots): float32 k, v [T', Hkv, D] (heads contiguous, any token
                 stride) written at the flat cache slots int64 [T'] before any row attends,
                 so the rows see them (a prefill chunk's own keys).
+            sinks: float32 [Hq] contiguous, each query head's sink logit in the softmax's
+                denominator (gpt-oss); None: none.
         Raises:
             ValueError: tensors that do not fit, a row's key range outside [1, max_keys], or
                 a slot outside the cache (the other tokens are still written).
@@ -413,6 +416,10 @@ class CpuKernels:
                 raise ValueError(f"{name} needs contiguous heads, got strides {x.stride()}.")
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous.")
+        if sinks is not None and (
+            sinks.dtype != torch.float32 or sinks.shape != (hq,) or not sinks.is_contiguous()
+        ):
+            raise ValueError(f"sinks must be a contiguous float32 [{hq}] tensor.")
         args = AttentionArgsC(
             q=q.data_ptr(),
             q_stride=q.stride(0),
@@ -428,6 +435,7 @@ class CpuKernels:
             scale=scale,
             num_threads=torch.get_num_threads(),
             num_slots=nb * block_size,
+            sinks=None if sinks is None else sinks.data_ptr(),
         )
         if new_kv is not None:
             k_new, v_new, slots = new_kv

@@ -49,6 +49,7 @@ class AttentionArgsC(ctypes.Structure):
         ("slots", _P),
         ("n_new", _I64),
         ("num_slots", _I64),
+        ("sinks", _P),
     ]
 
 

@@ -5,7 +5,8 @@ model/models/spec.py). N ranks, rank r; H query heads, Hkv KV heads, head size d
 a weight is [out, in]:
 
     split     rank r holds                                        Llama's weights
-    heads     rows of heads r*H/N .. (r+1)*H/N - 1                self_attn.q_proj
+    heads     rows of heads r*H/N .. (r+1)*H/N - 1                self_attn.q_proj (and
+                                                                  gpt-oss's sinks, a row a head)
     kv_heads  Hkv >= N: rows of KV heads r*Hkv/N ..; Hkv < N: the self_attn.k_proj, v_proj
               one KV head its query heads read (replicated)
     column    rows r*out/N .. (r+1)*out/N - 1                     mlp.gate_proj, up_proj
@@ -123,12 +124,14 @@ class Shard:
         weights are fused), split as `splits` says for its module's leaf: a view where it can
         be one."""
         parts = name.split(".")
-        split = self.splits.get(parts[-2] if len(parts) >= 2 else "")
+        # by its module's leaf, or a parameter's own name (gpt-oss's self_attn.sinks)
+        split = self.splits.get(parts[-2] if len(parts) >= 2 else "") or self.splits.get(parts[-1])
         d = self.head_dim
         if split == "vocab":
             return self._vocab_rows(tensor)
-        if split == "heads":
-            return tensor.narrow(0, self.rank * self.local_heads * d, self.local_heads * d)
+        if split == "heads":  # d rows a head (q_proj), or one (sinks)
+            rows = tensor.shape[0] // self.num_heads
+            return tensor.narrow(0, self.rank * self.local_heads * rows, self.local_heads * rows)
         if split == "kv_heads":
             return tensor.narrow(0, self._kv_head_start() * d, self.local_kv_heads * d)
         if split == "column":

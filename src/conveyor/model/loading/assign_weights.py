@@ -1,13 +1,14 @@
 """Assign a checkpoint's tensors to a built model's parameters: HF names mapped to ours
-(FamilySpec.renames, then packed_modules: the shards of a fused weight concatenated), each
-weight (or, tensor-parallel, its rank's slice) converted to the target dtype and device, and
-a weight whose pieces are all the file's quantized blocks put in a QuantLinear /
-QuantEmbedding instead (model/cpu/quant_linear.py). loader.py decides what to load and how.
+(FamilySpec.unstack: a stacked tensor's pieces; renames; then packed_modules: the shards of a
+fused weight concatenated), each weight (or, tensor-parallel, its rank's slice) converted to
+the target dtype and device, and a weight whose pieces are all the file's quantized blocks
+put in a QuantLinear / QuantEmbedding instead (model/cpu/quant_linear.py). loader.py decides
+what to load and how.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +50,8 @@ def assign_weights(
     pending: dict[str, dict[int, tuple[str, Any]]] = {}  # fused name -> (HF name, piece)
     unexpected: list[str] = []
     loaded: set[str] = set()
+    if model.SPEC.unstack is not None:
+        tensors = _unstacked(tensors, model.SPEC.unstack)
     for name, item in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
             continue
@@ -101,6 +104,26 @@ def assign_weights(
             f"Checkpoint does not match {type(model).__name__}: missing weights "
             f"{missing or 'none'}; unexpected weights {sorted(unexpected) or 'none'}."
         )
+
+
+def _unstacked(
+    tensors: Iterator[tuple[str, torch.Tensor | MappedTensor]], unstack: Callable[..., Any]
+) -> Iterator[tuple[str, torch.Tensor | MappedTensor]]:
+    """The tensors, each that `unstack` divides (FamilySpec.unstack) replaced by its pieces:
+    views of it, checked for finite values as a whole. A mapped one is released once its
+    pieces are assigned; a contiguous piece is cloned first, as a parameter could alias it."""
+    for name, item in tensors:
+        view = item.tensor if isinstance(item, MappedTensor) else item
+        pieces = unstack(name, view) if isinstance(view, torch.Tensor) else None
+        if pieces is None:
+            yield name, item
+            continue
+        if isinstance(item, MappedTensor):
+            check_torch_tensor(name, view)
+        for piece_name, piece in pieces:
+            yield piece_name, piece.clone() if piece.is_contiguous() else piece
+        if isinstance(item, MappedTensor):
+            item.release()
 
 
 def _set_parameter(

@@ -42,6 +42,9 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    # gpt-oss's experts: (up + 1) * gate * sigmoid(alpha * gate), gate and up clamped to limit.
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer`'s MLP is a mixture of experts."""
@@ -72,6 +75,12 @@ class ModelConfig:
         windows = layer_windows(hf)
         if not archs:
             raise ValueError("config.json has no 'architectures' entry.")
+        quant = hf.get("quantization_config")
+        if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4":
+            raise ValueError(
+                "MXFP4 checkpoints (quantization_config quant_method 'mxfp4') are not "
+                "supported; use a bfloat16 or float32 checkpoint."
+            )
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Only hidden_act 'silu' is supported, got {hf['hidden_act']!r}.")
         heads = hf["num_attention_heads"]
@@ -125,6 +134,8 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=next((w for w in windows if w is not None), None),
             layer_windows=windows,
+            swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702),
+            swiglu_limit=float(hf.get("swiglu_limit") or 7.0),
             **_experts(hf),
         )
 

@@ -1,11 +1,12 @@
 """The decoder families (llama.py: Llama, Mistral, Qwen2, Qwen3; the mixtures of experts
-qwen3_moe.py, qwen2_moe.py and mixtral.py, on moe.py), their layers and what each declares
-(spec.py).
+qwen3_moe.py, qwen2_moe.py, mixtral.py and gpt_oss.py, on moe.py), their layers and what each
+declares (spec.py).
 
 `FAMILIES` is the one registry: hf_config.py's MODEL_REGISTRY (config.json architectures) and
 the GGUF reader's GGUF_ARCHITECTURES are read from each class's `SPEC`. A new family is its
 module and one line here."""
 
+from conveyor.model.models.gpt_oss import GptOssForCausalLM
 from conveyor.model.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -24,4 +25,5 @@ FAMILIES: tuple[type[LlamaForCausalLM], ...] = (
     Qwen3MoeForCausalLM,
     Qwen2MoeForCausalLM,
     MixtralForCausalLM,
+    GptOssForCausalLM,
 )

@@ -188,6 +188,10 @@ class LlamaForCausalLM(nn.Module):
     SPEC: ClassVar[FamilySpec] = LLAMA
     force_qkv_bias: ClassVar[bool] = False  # Qwen2: q/k/v always have bias, o_proj none
     qk_norm: ClassVar[bool] = False  # Qwen3: RMSNorm per head on q and k before rope
+    attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
+    # Learned per-head logits in the softmax's denominator (gpt-oss): the backend must
+    # declare supports_sinks (checked before anything loads).
+    attention_sinks: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -216,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         windows = config.layer_windows or (None,) * config.num_hidden_layers
 
         def make_attn(i: int) -> LlamaAttention:
-            return LlamaAttention(config, qkv_bias, o_bias, self.qk_norm, backend, windows[i])
+            return self.attention_class(config, qkv_bias, o_bias, self.qk_norm, backend, windows[i])
 
         self.model = LlamaModel(config, make_attn, self.make_mlp)
         # Tied: logits reuse the embedding matrix, so there is no lm_head parameter at all.

@@ -11,6 +11,9 @@ Mixtral blocks, whose weight names it keeps).
              order (transformers' order: float32 parity is exact), plus Qwen2-MoE's shared
              expert scaled by sigmoid(shared_expert_gate(x))
 
+A subclass may route otherwise (`route`, `router_bias`) and build other experts
+(`make_expert`; `fusable` False keeps them off the fused kernels): gpt-oss (models/gpt_oss.py).
+
 Each expert's linears are ordinary modules (`experts.{e}.gate_up_proj`, `...down_proj`), so
 the checkpoint's per-expert weights load, split for tensor parallelism (each expert's
 intermediate dimension; the router is replicated) and pack for the CPU GEMMs as a dense
@@ -20,6 +23,7 @@ MLP's do.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -36,15 +40,18 @@ class MoEBlock(nn.Module):
         than by the weights cast to the activations' dtype (Qwen).
     """
 
+    router_bias: ClassVar[bool] = False
+    # Whether the experts are bias-free GatedMLPs, which the fused kernels (CUDA's grouped
+    # GEMMs, csrc/moe.c) run; a subclass with other experts keeps the module loop.
+    fusable: ClassVar[bool] = True
+
     def __init__(self, config: ModelConfig, norm_topk: bool, weights_in_float: bool) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk, self.weights_in_float = norm_topk, weights_in_float
-        self.gate = nn.Linear(hidden, self.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            GatedMLP(hidden, config.moe_intermediate_size) for _ in range(self.num_experts)
-        )
+        self.gate = nn.Linear(hidden, self.num_experts, bias=self.router_bias)
+        self.experts = nn.ModuleList(self.make_expert(config) for _ in range(self.num_experts))
         shared = config.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(hidden, shared) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
@@ -55,11 +62,16 @@ class MoEBlock(nn.Module):
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
 
+    def make_expert(self, config: ModelConfig) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.moe_intermediate_size)
+
     def use_grouped_gemm(self, fused_moe: Callable[..., torch.Tensor]) -> bool:
         """Run the experts through `fused_moe` (kernels/fused_moe.py) over their weights
         stacked [E, 2I, H] and [E, H, I]; each expert's weight becomes a view of the stack, so
         the weights are in memory once. False (nothing changed) where an expert's linears
         are not plain bias-free nn.Linear (quantized ones, say)."""
+        if not self.fusable:
+            return False
         linears = [m for e in self.experts for m in (e.gate_up_proj, e.down_proj)]
         if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
             return False
@@ -110,6 +122,12 @@ class MoEBlock(nn.Module):
         return out + gate * self.shared_expert(x)
 
 
+def experts_on_host(model: nn.Module) -> bool:
+    """Whether some MoEBlock of `model` runs its module loop, which reads each expert's token
+    count on the host (no CUDA graph can hold that)."""
+    return any(isinstance(m, MoEBlock) and m.fused is None for m in model.modules())
+
+
 def use_grouped_gemm(model: nn.Module) -> int:
     """Put every MoEBlock of `model` (on CUDA) on kernels/fused_moe.py; returns how many."""
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
@@ -127,7 +145,7 @@ def use_cpu_kernels(model: nn.Module, kernels: object) -> int:
 
     count = 0
     for block in model.modules():
-        if isinstance(block, MoEBlock):
+        if isinstance(block, MoEBlock) and block.fusable:
             block.fused = MoeKernel.build(block.experts, kernels)
             count += block.fused is not None
     return count

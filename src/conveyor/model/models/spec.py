@@ -10,6 +10,8 @@ and the GGUF reader (each family's class holds one `FamilySpec` as `SPEC`). Pure
                                                         module (HF leaf -> (ours, index))
     renames            loading/loader.py                checkpoint module names that are
                                                         others of ours
+    unstack            loading/assign_weights.py        a checkpoint tensor that is several
+                                                        of ours (gpt-oss's stacked experts)
     tp_splits          model/distributed/sharding.py Shard       how tensor parallelism splits each
                                                         weight, by module leaf (SPLITS)
     gguf               loading/gguf_loader.py           its llama.cpp architecture and tensor
@@ -19,8 +21,9 @@ and the GGUF reader (each family's class holds one `FamilySpec` as `SPEC`). Pure
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # How tensor parallelism splits a weight [out, in] (model/distributed/sharding.py; a leaf not
 # named is replicated):
@@ -82,7 +85,8 @@ class FamilySpec:
     architectures: tuple[str, ...]
     # HF module leaf -> (our fused module, shard index); the loader concatenates the shards.
     packed_modules: Mapping[str, tuple[str, int]]
-    # HF module leaf -> one of SPLITS; leaves not named are replicated.
+    # HF module leaf (or a parameter's own name: gpt-oss's sinks) -> one of SPLITS; leaves
+    # not named are replicated.
     tp_splits: Mapping[str, str]
     # ModelConfig field -> the config.json key this family uses for it.
     config_names: Mapping[str, str] = field(default_factory=dict)
@@ -90,6 +94,9 @@ class FamilySpec:
     # A checkpoint module name -> ours, for any component of a weight's name (Mixtral's
     # `block_sparse_moe` is our `mlp`), applied before `packed_modules`.
     renames: Mapping[str, str] = field(default_factory=dict)
+    # (checkpoint name, tensor) -> the [(name, tensor)] it stands for, or None to keep it
+    # as it is; applied before `renames` (gpt-oss's [E, ...] expert stacks: each expert's).
+    unstack: Callable[[str, Any], list[tuple[str, Any]] | None] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tp_splits.values()) - set(SPLITS))

@@ -136,7 +136,8 @@ typedef struct {
     int64_t new_v_stride;
     const int64_t *slots; /* [n_new] their flat cache slots */
     int64_t n_new;
-    int64_t num_slots; /* num_blocks x block_size */
+    int64_t num_slots;   /* num_blocks x block_size */
+    const float *sinks;  /* [Hq] each query head's sink logit (gpt-oss), or NULL: none */
 } attention_args;
 
 /* ---- The fused decoder layers (decoder_layers.c; fused_layers.py mirrors them) */
@@ -334,10 +335,11 @@ void gemm_bf16_bf16_team_avx512bf16(GEMM_TEAM_ARGS(uint16_t));
 #endif
 
 /* paged_attention_avx2.c: one (row, KV head) task, its G query heads at qh / oh over the
- * keys at slot[0 .. len) (d % 8 == 0); k, v point at this KV head's lane of the cache. */
+ * keys at slot[0 .. len) (d % 8 == 0); k, v point at this KV head's lane of the cache; sinks
+ * at its G heads' sink logits, or NULL. */
 #define ATTEND_ARGS(KV_T)                                                                      \
     const float *qh, float *oh, const KV_T *k, const KV_T *v, const int64_t *slot,             \
-        int64_t stride, int len, int g, int d, float scale, float *scores
+        int64_t stride, int len, int g, int d, float scale, const float *sinks, float *scores
 #ifdef CONVEYOR_AVX2
 void attend_f32_f32_avx2(ATTEND_ARGS(float));
 void attend_bf16_f32_avx2(ATTEND_ARGS(uint16_t));

@@ -19,6 +19,9 @@
  *     scores[g][j] = scale * <q[g], K[j]>              key_begin <= j < key_end
  *     out[g]       = sum_j softmax_j(scores[g])[j] * V[j]
  *
+ * With attention sinks (gpt-oss; attention_args.sinks not NULL), query head h's sink logit
+ * joins the softmax's max m and its denominator only: + e^(sinks[h] - m).
+ *
  * A prefill chunk's token i (position p) has key_end = p + 1: causal attention over the chunk
  * and the request's cached context, whose K/V the backend wrote before calling. The work is
  * the same as a causal SDPA's; the chunk's rows re-read the same K/V rows from cache.

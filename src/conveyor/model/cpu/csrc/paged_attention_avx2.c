@@ -20,10 +20,11 @@ static inline __m256 sum_lanes8(const __m256 *a)
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* sx[j] = e^(sx[j] - max sx) for j < len; returns their sum. */
-static float softmax_numerators(float *sx, int len)
+/* sx[j] = e^(sx[j] - m) for j < len, m the max of sx and sink; returns their sum, plus
+ * e^(sink - m) for a sink (-INFINITY: none). */
+static float softmax_numerators(float *sx, int len, float sink)
 {
-    float lanes[8], m = -INFINITY, sum = 0.f;
+    float lanes[8], m = sink, sum = 0.f;
     __m256 vm = _mm256_set1_ps(-INFINITY), vs = _mm256_setzero_ps();
     int j = 0;
     for (; j + 8 <= len; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sx + j));
@@ -42,6 +43,8 @@ static float softmax_numerators(float *sx, int len)
         sx[j] = expf(sx[j] - m);
         sum += sx[j];
     }
+    if (sink != -INFINITY)
+        sum += expf(sink - m);
     return sum;
 }
 

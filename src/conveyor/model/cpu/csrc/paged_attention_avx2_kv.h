@@ -65,7 +65,7 @@ void KV_FORM(attend, avx2)(ATTEND_ARGS(KV_T))
     KV(scores)(qh, k, slot, stride, len, g, d, scale, scores);
     for (int x = 0; x < g; x++) {
         float *sx = scores + (int64_t)x * len;
-        const float inv = 1.f / softmax_numerators(sx, len);
+        const float inv = 1.f / softmax_numerators(sx, len, sinks ? sinks[x] : -INFINITY);
         float *ox = oh + (int64_t)x * d;
         for (int e0 = 0; e0 < d; e0 += 64) { /* 64 columns = 8 registers at a time */
             if (d - e0 >= 64)

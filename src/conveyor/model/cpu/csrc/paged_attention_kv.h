@@ -16,7 +16,7 @@ static void KV_FORM(attend, generic)(ATTEND_ARGS(KV_T), float *acc)
     for (int x = 0; x < g; x++) {
         const float *qx = qh + (int64_t)x * d;
         float *sx = scores + (int64_t)x * len;
-        float m = -INFINITY, sum = 0.f;
+        float m = sinks ? sinks[x] : -INFINITY, sum = 0.f;
         for (int j = 0; j < len; j++) {
             if (j + PREFETCH_AHEAD < len)
                 prefetch_row(k + slot[j + PREFETCH_AHEAD] * stride, d * sizeof(KV_T));
@@ -31,6 +31,8 @@ static void KV_FORM(attend, generic)(ATTEND_ARGS(KV_T), float *acc)
             sx[j] = expf(sx[j] - m);
             sum += sx[j];
         }
+        if (sinks)
+            sum += expf(sinks[x] - m);
         memset(acc, 0, sizeof(float) * (size_t)d);
         for (int j = 0; j < len; j++) {
             const KV_T *vp = v + slot[j] * stride;
@@ -91,6 +93,7 @@ void KV_FORM(paged_attention, team)(const attention_rows *r, const attention_arg
     const int64_t n_new = a->n_new, num_slots = a->num_slots;
     const int hq = a->hq, hkv = a->hkv, d = a->d, block_size = a->block_size;
     const float scale = a->scale;
+    const float *sinks = a->sinks;
     const int32_t *block_tables = r->block_tables, *key_begin = r->key_begin;
     const int32_t *key_end = r->key_end;
     const int64_t *rows = r->rows, *batch = r->batch;
@@ -132,13 +135,15 @@ void KV_FORM(paged_attention, team)(const attention_rows *r, const attention_arg
             const float *qh = q + rows[i] * q_row_stride + (int64_t)h * g * d;
             float *oh = out + rows[i] * out_row_stride + (int64_t)h * g * d;
             const KV_T *k = k_cache + (int64_t)h * d, *v = v_cache + (int64_t)h * d;
+            const float *sk = sinks ? sinks + (int64_t)h * g : NULL; /* its G heads' sinks */
 #ifdef CONVEYOR_AVX2
             if (d % 8 == 0) {
-                KV_FORM(attend, avx2)(qh, oh, k, v, slot, stride, len, g, d, scale, scores);
+                KV_FORM(attend, avx2)(qh, oh, k, v, slot, stride, len, g, d, scale, sk, scores);
                 continue;
             }
 #endif
-            KV_FORM(attend, generic)(qh, oh, k, v, slot, stride, len, g, d, scale, scores, acc);
+            KV_FORM(attend, generic)(qh, oh, k, v, slot, stride, len, g, d, scale, sk, scores,
+                                     acc);
         }
         free(scores);
         free(slot);
