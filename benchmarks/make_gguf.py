@@ -11,7 +11,9 @@ copied from a GGUF file that has one: by default the SmolLM2-135M-Instruct file 
     --shape llama8b     Llama-3.1-8B: hidden 4096, 32 layers, 32 / 8 heads, ffn 14336
     --shape qwen3moe-a3b-8l   Qwen3-30B-A3B's width with 8 of its 48 layers (a `qwen3moe`
                         file): hidden 2048, 32 / 4 heads of 128, per-head q/k norms, 128
-                        experts of ffn 768, top-8; the router stays F32 as llama.cpp's
+                        experts of ffn 768, top-8, its 151,936-token vocabulary (the
+                        tokenizer's padded with unused tokens); the router stays F32 as
+                        llama.cpp's
     --shape qwen3moe-a3b      all 48 layers (~17 GB as Q4_K_M)
     --type q8_0         every 2-D weight Q8_0
     --type q4_k_m       llama.cpp's Q4_K_M mix: Q4_K, with attn_v and ffn_down Q6_K in
@@ -33,7 +35,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf.constants import GGML_QUANT_SIZES
 
 _A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, experts=128, used=8,
-            expert_ffn=768, arch="qwen3moe")  # fmt: skip
+            expert_ffn=768, arch="qwen3moe", vocab=151936)  # fmt: skip
 SHAPES = {
     "tinyllama": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632),
     "llama8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336),
@@ -109,13 +111,28 @@ def tensor_plan(shape: dict, mix: str, vocab: int) -> list[tuple[str, tuple[int,
     return [*plan, ("output_norm.weight", (h,), QType.F32), ("output.weight", (vocab, h), head)]
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> int:
+# A vocabulary padded to the model's size gets these per-token values in the added rows.
+_PAD_VALUES = {
+    "tokenizer.ggml.tokens": lambda i: f"<|unused_{i}|>",
+    "tokenizer.ggml.token_type": lambda i: int(gguf.TokenType.UNUSED),
+    "tokenizer.ggml.scores": lambda i: 0.0,
+}
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path, pad_to: int | None = None) -> int:
+    """Copy the source file's tokenizer; with `pad_to`, its vocabulary grows to that many
+    tokens with unused ones (never produced by the tokenizer), so the embedding and the
+    output head have the real model's size."""
     reader = gguf.GGUFReader(source)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub)
-    return len(reader.fields["tokenizer.ggml.tokens"].contents())
+            value = field.contents()
+            if pad_to and pad_to > vocab and key in _PAD_VALUES:
+                value = [*value, *map(_PAD_VALUES[key], range(vocab, pad_to))]
+            writer.add_key_value(key, value, field.types[0], sub)
+    return max(vocab, pad_to or 0)
 
 
 def write(shape_name: str, mix: str, out: Path, tokenizer_from: Path, seed: int = 0) -> dict:
@@ -138,7 +155,7 @@ def write(shape_name: str, mix: str, out: Path, tokenizer_from: Path, seed: int 
         writer.add_expert_feed_forward_length(shape["expert_ffn"])
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
-    vocab = _copy_tokenizer(writer, tokenizer_from)
+    vocab = _copy_tokenizer(writer, tokenizer_from, shape.get("vocab"))
     writer.add_vocab_size(vocab)
     plan = tensor_plan(shape, mix, vocab)
     for name, dims, qtype in plan:
