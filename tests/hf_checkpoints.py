@@ -193,3 +193,20 @@ def agree_until_a_near_tie(
             return k
     assert len(got) == len(tokens)
     return len(got)
+
+
+def bf16_reference(
+    path: Path, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool = False
+) -> list[Any]:
+    """transformers' greedy runs of the checkpoint at `path` in bfloat16, as RequestOutputs
+    whose logprobs hold each step's top-5 ids (for check_logprobs_close)."""
+    from conveyor.engine.outputs import CompletionOutput, RequestOutput
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    refs = greedy_reference(hf, prompts, max_tokens, with_scores=True, ignore_eos=ignore_eos)
+    outs = []
+    for i, (tokens, scores) in enumerate(refs):
+        top5 = [{int(t): None for t in s.topk(5).indices} for s in scores]
+        done = CompletionOutput(0, "", tokens, logprobs=top5)
+        outs.append(RequestOutput(str(i), None, prompts[i], [done], True))
+    return outs

@@ -16,11 +16,15 @@ import random
 import pytest
 import torch
 import transformers
-from tests.hf_checkpoints import agree_until_a_near_tie, greedy_reference, write_checkpoint
+from tests.hf_checkpoints import (
+    agree_until_a_near_tie,
+    bf16_reference,
+    greedy_reference,
+    write_checkpoint,
+)
 from tests.logprobs_close import check_logprobs_close
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.model.cpu import cpu_build
 from conveyor.model.cpu.linear import CpuLinear
 
@@ -61,20 +65,6 @@ def test_half_precision_checkpoint_runs_in_its_dtype_like_transformers(
     assert sum(agreed) >= 0.75 * sum(max_tokens), (agreed, max_tokens)
 
 
-def _transformers_outputs(path, prompts, max_tokens) -> list[RequestOutput]:
-    """transformers' greedy runs in bf16 as RequestOutputs with each step's top-5 ids."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    # Stopping at eos on both sides: transformers' min_new_tokens would take eos out of its
-    # scores, our ignore_eos does not.
-    refs = greedy_reference(hf, prompts, max_tokens, with_scores=True)
-    outs = []
-    for i, (tokens, scores) in enumerate(refs):
-        top5 = [{int(t): None for t in s.topk(5).indices} for s in scores]
-        done = CompletionOutput(0, "", tokens, logprobs=top5)
-        outs.append(RequestOutput(str(i), None, prompts[i], [done], True))
-    return outs
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_bfloat16_on_our_gemm_holds_bf16_weights_and_is_close_to_transformers_bf16(
     kernels, family, tmp_path, tiny_tokenizer_dir
@@ -95,7 +85,7 @@ def test_bfloat16_on_our_gemm_holds_bf16_weights_and_is_close_to_transformers_bf
     assert {m.packed_weight.dtype for m in linears} == {torch.bfloat16}
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
     got = llm.generate(prompts, params, use_tqdm=False)
-    want = _transformers_outputs(path, prompts, [12] * len(prompts))
+    want = bf16_reference(path, prompts, [12] * len(prompts))
     diverged = check_logprobs_close(got, want)
     assert diverged <= len(prompts) // 2, diverged  # most sequences agree to the end
 

@@ -17,11 +17,10 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from tests.hf_checkpoints import greedy_reference, write_checkpoint
+from tests.hf_checkpoints import bf16_reference, greedy_reference, write_checkpoint
 from tests.logprobs_close import check_logprobs_close
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.model.cpu.cpu_kernels import CpuKernels
 from conveyor.model.distributed.sharding import Shard
 from conveyor.model.loading.loader import load_model
@@ -132,17 +131,6 @@ def test_the_experts_keep_the_module_loop_on_the_c_kernels(checkpoint):
     assert experts_on_host(model)  # so no CUDA graph captures them
 
 
-def _transformers_bf16(path, prompts) -> list[RequestOutput]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    refs = greedy_reference(hf, prompts, [MAX_TOKENS] * len(prompts), True, ignore_eos=True)
-    outs = []
-    for i, (tokens, scores) in enumerate(refs):
-        top5 = [{int(t): None for t in s.topk(5).indices} for s in scores]
-        done = CompletionOutput(0, "", tokens, logprobs=top5)
-        outs.append(RequestOutput(str(i), None, prompts[i], [done], True))
-    return outs
-
-
 def test_bfloat16_is_close_to_transformers_bf16(checkpoint, tmp_path, demo_model_dir):
     _, prompts, _ = checkpoint
     path = write_checkpoint(
@@ -153,7 +141,8 @@ def test_bfloat16_is_close_to_transformers_bf16(checkpoint, tmp_path, demo_model
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     got = llm.generate(prompts, params, use_tqdm=False)
-    diverged = check_logprobs_close(got, _transformers_bf16(path, prompts))
+    want = bf16_reference(path, prompts, [MAX_TOKENS] * len(prompts), ignore_eos=True)
+    diverged = check_logprobs_close(got, want)
     assert diverged <= len(prompts) // 2, diverged
 
 

@@ -11,11 +11,10 @@ import re
 import pytest
 import torch
 import transformers
-from tests.hf_checkpoints import greedy_reference, write_checkpoint
+from tests.hf_checkpoints import bf16_reference, greedy_reference, write_checkpoint
 from tests.logprobs_close import check_logprobs_close
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.model.loading.model_config import ModelConfig
 from conveyor.model.models.moe import MoEBlock
 
@@ -88,16 +87,6 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
         ModelConfig.from_hf_config(hf)
 
 
-def _transformers_bf16(path, prompts, max_tokens) -> list[RequestOutput]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    outs = []
-    for i, (tokens, scores) in enumerate(greedy_reference(hf, prompts, max_tokens, True)):
-        top5 = [{int(t): None for t in s.topk(5).indices} for s in scores]
-        done = CompletionOutput(0, "", tokens, logprobs=top5)
-        outs.append(RequestOutput(str(i), None, prompts[i], [done], True))
-    return outs
-
-
 @pytest.mark.parametrize("family", ["qwen3-moe", "qwen2-moe", "mixtral"])
 def test_bfloat16_mixture_of_experts_is_close_to_transformers_bf16(
     family, tmp_path, tiny_tokenizer_dir
@@ -109,7 +98,7 @@ def test_bfloat16_mixture_of_experts_is_close_to_transformers_bf16(
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64)
     got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, logprobs=5),
                        use_tqdm=False)  # fmt: skip
-    diverged = check_logprobs_close(got, _transformers_bf16(path, prompts, [12] * len(prompts)))
+    diverged = check_logprobs_close(got, bf16_reference(path, prompts, [12] * len(prompts)))
     assert diverged <= len(prompts) // 2, diverged
 
 
