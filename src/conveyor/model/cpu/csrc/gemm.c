@@ -42,107 +42,59 @@
 #include "gemm_panels.h"
 #include "kernels.h"
 
-/* The build's variant of the team GEMMs (every thread of a team calls them). */
-static inline void f32_team(GEMM_TEAM_ARGS(float))
-{
+/* The build's variant of the team GEMM for float32 (f32) or bf16 weights widened (bf16); every
+ * thread of a team calls it. */
 #if defined(CONVEYOR_GEMM512)
-    gemm_f32_f32_team_avx512(x, ldx, m, packed, n, k, bias, out, ldo, group);
+#define TEAM(w) gemm_##w##_f32_team_avx512
 #elif defined(CONVEYOR_AVX2)
-    gemm_f32_f32_team_avx2(x, ldx, m, packed, n, k, bias, out, ldo, group);
+#define TEAM(w) gemm_##w##_f32_team_avx2
 #else
-    gemm_f32_f32_team_generic(x, ldx, m, packed, n, k, bias, out, ldo, group);
+#define TEAM(w) gemm_##w##_f32_team_generic
 #endif
+
+/* The entry points run the build's team GEMM on a team of their own (num_threads, or one
+ * thread for too little work); the team forms, for a caller already running a parallel region
+ * (decoder_layers.c), on the caller's: every thread of its team calls them with the same
+ * arguments, and they return after the team's barrier with out written. */
+#define ON_A_TEAM(team, group)                                                                 \
+    _Pragma("omp parallel num_threads(num_threads) if (worth_a_team(m, n, k))")                \
+    team(x, ldx, m, packed, n, k, bias, out, ldo, group)
+#define ON_THE_CALLERS(team) team(x, ldx, m, packed, n, k, bias, out, ldo, PANEL_GROUP)
+
+CONVEYOR_EXPORT void gemm_f32_f32(GEMM_OPERANDS(float), int num_threads)
+{
+    ON_A_TEAM(TEAM(f32), PANEL_GROUP);
 }
 
-static inline void bf16_f32_team(GEMM_TEAM_ARGS(uint16_t))
+CONVEYOR_EXPORT void gemm_bf16_f32(GEMM_OPERANDS(uint16_t), int num_threads)
 {
-#if defined(CONVEYOR_GEMM512)
-    gemm_bf16_f32_team_avx512(x, ldx, m, packed, n, k, bias, out, ldo, group);
-#elif defined(CONVEYOR_AVX2)
-    gemm_bf16_f32_team_avx2(x, ldx, m, packed, n, k, bias, out, ldo, group);
-#else
-    gemm_bf16_f32_team_generic(x, ldx, m, packed, n, k, bias, out, ldo, group);
-#endif
+    ON_A_TEAM(TEAM(bf16), PANEL_GROUP);
 }
 
-/* On a team of its own: num_threads, or one thread for too little work. */
-static void bf16_f32_grouped(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
-                             int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
-                             int num_threads, int group)
+CONVEYOR_EXPORT void gemm_bf16_f32_grouped(GEMM_OPERANDS(uint16_t), int num_threads, int group)
 {
-    #pragma omp parallel num_threads(num_threads) if (worth_a_team(m, n, k))
-    bf16_f32_team(x, ldx, m, packed, n, k, bias, out, ldo, group);
+    ON_A_TEAM(TEAM(bf16), group);
 }
 
-CONVEYOR_EXPORT void gemm_f32_f32(const float *x, int64_t ldx, int64_t m, const float *packed,
-                                  int64_t n, int64_t k, const float *bias, float *out,
-                                  int64_t ldo, int num_threads)
-{
-    #pragma omp parallel num_threads(num_threads) if (worth_a_team(m, n, k))
-    f32_team(x, ldx, m, packed, n, k, bias, out, ldo, PANEL_GROUP);
-}
+void gemm_f32_f32_team(GEMM_OPERANDS(float)) { ON_THE_CALLERS(TEAM(f32)); }
 
-CONVEYOR_EXPORT void gemm_bf16_f32(const float *x, int64_t ldx, int64_t m,
-                                   const uint16_t *packed, int64_t n, int64_t k,
-                                   const float *bias, float *out, int64_t ldo, int num_threads)
-{
-    bf16_f32_grouped(x, ldx, m, packed, n, k, bias, out, ldo, num_threads, PANEL_GROUP);
-}
-
-CONVEYOR_EXPORT void gemm_bf16_f32_grouped(const float *x, int64_t ldx, int64_t m,
-                                           const uint16_t *packed, int64_t n, int64_t k,
-                                           const float *bias, float *out, int64_t ldo,
-                                           int num_threads, int group)
-{
-    bf16_f32_grouped(x, ldx, m, packed, n, k, bias, out, ldo, num_threads, group);
-}
-
-/* For a caller already running a parallel region (decoder_layers.c): every thread of its team
- * calls them with the same arguments, and they return after the team's barrier with out
- * written. */
-void gemm_f32_f32_team(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n,
-                       int64_t k, const float *bias, float *out, int64_t ldo)
-{
-    f32_team(x, ldx, m, packed, n, k, bias, out, ldo, PANEL_GROUP);
-}
-
-void gemm_bf16_f32_team(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
-                        int64_t n, int64_t k, const float *bias, float *out, int64_t ldo)
-{
-    bf16_f32_team(x, ldx, m, packed, n, k, bias, out, ldo, PANEL_GROUP);
-}
+void gemm_bf16_f32_team(GEMM_OPERANDS(uint16_t)) { ON_THE_CALLERS(TEAM(bf16)); }
 
 #ifdef CONVEYOR_DPBF16
-
-static void bf16_bf16_grouped(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
-                              int64_t n, int64_t k, const float *bias, float *out, int64_t ldo,
-                              int num_threads, int group)
+CONVEYOR_EXPORT void gemm_bf16_bf16(GEMM_OPERANDS(uint16_t), int num_threads)
 {
-    #pragma omp parallel num_threads(num_threads) if (worth_a_team(m, n, k))
-    gemm_bf16_bf16_team_avx512bf16(x, ldx, m, packed, n, k, bias, out, ldo, group);
+    ON_A_TEAM(gemm_bf16_bf16_team_avx512bf16, PANEL_GROUP);
 }
 
-CONVEYOR_EXPORT void gemm_bf16_bf16(const float *x, int64_t ldx, int64_t m,
-                                    const uint16_t *packed, int64_t n, int64_t k,
-                                    const float *bias, float *out, int64_t ldo, int num_threads)
+CONVEYOR_EXPORT void gemm_bf16_bf16_grouped(GEMM_OPERANDS(uint16_t), int num_threads, int group)
 {
-    bf16_bf16_grouped(x, ldx, m, packed, n, k, bias, out, ldo, num_threads, PANEL_GROUP);
+    ON_A_TEAM(gemm_bf16_bf16_team_avx512bf16, group);
 }
 
-CONVEYOR_EXPORT void gemm_bf16_bf16_grouped(const float *x, int64_t ldx, int64_t m,
-                                            const uint16_t *packed, int64_t n, int64_t k,
-                                            const float *bias, float *out, int64_t ldo,
-                                            int num_threads, int group)
+void gemm_bf16_bf16_team(GEMM_OPERANDS(uint16_t))
 {
-    bf16_bf16_grouped(x, ldx, m, packed, n, k, bias, out, ldo, num_threads, group);
+    ON_THE_CALLERS(gemm_bf16_bf16_team_avx512bf16);
 }
-
-void gemm_bf16_bf16_team(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
-                         int64_t n, int64_t k, const float *bias, float *out, int64_t ldo)
-{
-    gemm_bf16_bf16_team_avx512bf16(x, ldx, m, packed, n, k, bias, out, ldo, PANEL_GROUP);
-}
-
 #endif
 
 CONVEYOR_EXPORT int gemm_isa(void)

@@ -2,8 +2,8 @@
  * ymm registers; for each k the panel's 16 weights are loaded once (two vectors) and one x
  * value per row broadcast: 12 FMAs for 8 loads, the classic shape for 16 vector registers;
  * for 1-3 rows (decode) one row by a group's four panels at a time instead. bf16 weights are
- * widened to float32 in registers (the same float32 products and sums). gemm_avx2_team.h is
- * the kernel, once per weight type.
+ * widened to float32 in registers (the same float32 products and sums). gemm_avx2_micro.h has
+ * the micro-kernels and gemm_team.h the loops, once per weight type.
  */
 #include "kernels.h"
 
@@ -74,59 +74,18 @@ static inline __attribute__((always_inline)) void store_row(float *o, int cols, 
     if (RR > r) store_row(o + r * ldo, cols, c##r##0, c##r##1);
 
 
-/* float32 weights: [panels][K][16] floats. */
+/* float32 weights: [panels][K][16] floats; bfloat16 (gemm_panels.h), widened. */
+#define GEMM_MICROS "gemm_avx2_micro.h"
+#define W_FORM W_F32
 #define GEMM_TEAM gemm_f32_f32_team_avx2
-#define W_T float
-#define SUFFIX _f32
-#define KSTEP(k) (k)
-#define K_PER_LINE 1
-#define PREFETCH_ODD 1 /* every k starts a 64-byte line */
-#define AHEAD_PREFETCH 1 /* the second row block prefetches the next (kernels.md) */
-#define LINE_AT(panel, kk, qs) ((panel) + (kk) * (qs))
-#define LOAD_W(panel, kk, odd, qs, w0, w1)                                                     \
-    (w0 = _mm256_loadu_ps(LINE_AT(panel, kk, qs)), w1 = _mm256_loadu_ps(LINE_AT(panel, kk, qs) + 8))
-#define W_SPLIT 0 /* float32 groups are never split */
-#include "gemm_avx2_team.h"
+#include "gemm_team.h"
+#undef W_FORM
 #undef GEMM_TEAM
-#undef W_T
-#undef W_SPLIT
-#undef SUFFIX
-#undef KSTEP
-#undef K_PER_LINE
-#undef PREFETCH_ODD
-#undef AHEAD_PREFETCH
-#undef LINE_AT
-#undef LOAD_W
-
-/* bfloat16 weights (gemm_panels.h), widened. */
+#define W_FORM W_BF16
 #define GEMM_TEAM gemm_bf16_f32_team_avx2
-#define W_T uint16_t
-#define SUFFIX _bf16
-#define KSTEP(k) ((k) + ((k) & 1))
-#define K_PER_LINE 2
-#define PREFETCH_ODD 0 /* a pair of k is one 64-byte line */
-#define AHEAD_PREFETCH 0 /* no steady gain for bf16 (docs/kernels.md#measured-choices) */
-#define LINE_AT(panel, kk, qs) ((panel) + ((kk) >> 1) * (qs))
-#define LOAD_W(panel, kk, odd, qs, w0, w1)                                                     \
-    do {                                                                                       \
-        const __m256i *p_ = (const __m256i *)LINE_AT(panel, kk, qs);                           \
-        const __m256i v0_ = _mm256_loadu_si256(p_), v1_ = _mm256_loadu_si256(p_ + 1);          \
-        /* odd: the high halves, by two shifts: a mask would take a 16th ymm, and the 6 x 16  \
-         * block then spills an accumulator every k (docs/kernels.md#measured-choices) */      \
-        w0 = _mm256_castsi256_ps(_mm256_slli_epi32(odd ? _mm256_srli_epi32(v0_, 16) : v0_, 16)); \
-        w1 = _mm256_castsi256_ps(_mm256_slli_epi32(odd ? _mm256_srli_epi32(v1_, 16) : v1_, 16)); \
-    } while (0)
-#define W_SPLIT SPLIT_BF16 /* CpuLinear's layout for this build's bf16 panels */
-#include "gemm_avx2_team.h"
+#include "gemm_team.h"
+#undef W_FORM
 #undef GEMM_TEAM
-#undef W_T
-#undef W_SPLIT
-#undef SUFFIX
-#undef KSTEP
-#undef K_PER_LINE
-#undef PREFETCH_ODD
-#undef AHEAD_PREFETCH
-#undef LINE_AT
-#undef LOAD_W
+#undef GEMM_MICROS
 
 #endif

@@ -3,7 +3,8 @@
  * k share a cache line; for 1-16 rows (decode) four panels per call, four rows at a time, so
  * a step is not bound by one FMA chain's latency per k. bf16 weights are widened to float32
  * in registers (the same float32 products and sums as float32 weights); gemm_avx512bf16.c
- * has the vdpbf16ps kernel. gemm_avx512_team.h is the kernel, once per weight type.
+ * has the vdpbf16ps kernel. gemm_avx512_micro.h has the micro-kernels and gemm_team.h the
+ * loops, once per weight type.
  */
 #include "kernels.h"
 
@@ -14,12 +15,13 @@
 
 #include "gemm_panels.h"
 
-/* The calling thread's buffer for x packed for the micro-kernels, grown as needed and kept
- * (NULL when it cannot grow: the callers then pack per micro-kernel call, on the stack). */
+/* The calling thread's buffer for x packed for the micro-kernels (or rounded to pairs, in
+ * gemm_avx512bf16.c), grown as needed and kept (NULL when it cannot grow: the callers then
+ * pack per micro-kernel call, on the stack). */
 static _Thread_local void *pack_buf;
 static _Thread_local size_t pack_cap;
 
-static void *pack_buffer(size_t bytes)
+void *gemm_pack_buffer(size_t bytes)
 {
     if (bytes > pack_cap) {
         void *grown = realloc(pack_buf, bytes);
@@ -28,9 +30,6 @@ static void *pack_buffer(size_t bytes)
     }
     return pack_buf;
 }
-
-/* The same buffer for gemm_avx512bf16.c's rounded rows. */
-void *gemm_pack_buffer(size_t bytes) { return pack_buffer(bytes); }
 
 /* Rows [0, mb) of x (k columns) packed by blocks of xs rows (MR, or a few rows' count; out
  * holds mb rounded up to xs rows), block b at out + b xs k and its row r's column kk at
@@ -47,50 +46,31 @@ static void pack_rows(const float *x, int64_t ldx, int64_t mb, int64_t k, float 
     }
 }
 
-/* float32 weights: [panels][K][16] floats. */
-#define GEMM_TEAM gemm_f32_f32_team_avx512
-#define W_T float
-#define SUFFIX _f32
-#define KSTEP(k) (k)
-#define K_PER_LINE 1
-#define PREFETCH_ODD 1 /* every k starts a 64-byte line */
-#define LINE_AT(panel, kk, qs) ((panel) + (kk) * (qs))
-#define LOAD_W512(panel, kk, odd, qs) _mm512_loadu_ps(LINE_AT(panel, kk, qs))
-#define W_SPLIT 0 /* float32 groups are never split */
-#include "gemm_avx512_team.h"
-#undef GEMM_TEAM
-#undef W_T
-#undef W_SPLIT
-#undef SUFFIX
-#undef KSTEP
-#undef K_PER_LINE
-#undef PREFETCH_ODD
-#undef LINE_AT
-#undef LOAD_W512
+/* x's block of mb rows packed for the micro-kernels (gemm_team.h): by each thread into its own
+ * buffer (own), else by one thread into the shared one (none: NULL). */
+static inline __attribute__((always_inline)) void
+pack_block(const float *x, int64_t ldx, int64_t mb, int64_t k, float *xb, int64_t xs, int own)
+{
+    if (own) {
+        pack_rows(x, ldx, mb, k, xb, xs);
+    } else {
+        #pragma omp single
+        if (xb) pack_rows(x, ldx, mb, k, xb, xs);
+    }
+}
 
-/* bfloat16 weights (gemm_panels.h), widened: a shift left by 16 (even k) or a mask of the
- * high halves (odd k). */
-#define GEMM_TEAM gemm_bf16_f32_team_avx512
-#define W_T uint16_t
-#define SUFFIX _bf16
-#define KSTEP(k) ((k) + ((k) & 1))
-#define K_PER_LINE 2
-#define PREFETCH_ODD 0 /* a pair of k is one 64-byte line */
-#define LINE_AT(panel, kk, qs) ((panel) + ((kk) >> 1) * (qs))
-#define LOAD_W512(panel, kk, odd, qs)                                                          \
-    _mm512_castsi512_ps(odd ? _mm512_and_si512(_mm512_loadu_si512(LINE_AT(panel, kk, qs)),     \
-                                               _mm512_set1_epi32((int)0xFFFF0000u))            \
-                            : _mm512_slli_epi32(_mm512_loadu_si512(LINE_AT(panel, kk, qs)), 16))
-#define W_SPLIT SPLIT_BF16 /* CpuLinear's layout for this build's bf16 panels */
-#include "gemm_avx512_team.h"
+/* float32 weights: [panels][K][16] floats; bfloat16 (gemm_panels.h), widened. */
+#define GEMM_MICROS "gemm_avx512_micro.h"
+#define W_FORM W_F32
+#define GEMM_TEAM gemm_f32_f32_team_avx512
+#include "gemm_team.h"
+#undef W_FORM
 #undef GEMM_TEAM
-#undef W_T
-#undef W_SPLIT
-#undef SUFFIX
-#undef KSTEP
-#undef K_PER_LINE
-#undef PREFETCH_ODD
-#undef LINE_AT
-#undef LOAD_W512
+#define W_FORM W_BF16
+#define GEMM_TEAM gemm_bf16_f32_team_avx512
+#include "gemm_team.h"
+#undef W_FORM
+#undef GEMM_TEAM
+#undef GEMM_MICROS
 
 #endif

@@ -1,6 +1,8 @@
 /* The GEMM on bf16 panels through vdpbf16ps (AVX512-BF16; gemm.c's header): x rounded to
  * bf16 (nearest even) once per block of rows, each instruction two k per lane; the blocking
- * of gemm_avx512.c, and for a decode step the threads split the panels by halves of groups.
+ * and the micro-kernels of gemm_avx512.c (gemm_avx512_micro.h's pairs form, gemm_team.h's
+ * loops), a tile of TR x TP for long blocks, and for a decode step the threads split the
+ * panels by halves of groups.
  */
 #include "kernels.h"
 
@@ -49,66 +51,6 @@ static void pack_pairs_row(const float *x, int64_t k, uint32_t *blk, int64_t xs)
     }
 }
 
-/* As MICRO_P in gemm_avx512_team.h, on pairs: row r's pair q at xp[q xs + r] (xs MR, as pack_rows
- * packs floats, or for a few rows their count, so that one row's pairs are not a cache line
- * each), the panel's pair q of its 16 columns one 64-byte line, qs uint16 after pair
- * q - 1's. */
-#define MICRO_DP(R, P, NAME)                                                                   \
-    static void NAME(const uint32_t *xp, int64_t xs, int64_t pstride, const uint16_t *panel,  \
-                     int64_t qs,                                                               \
-                     int64_t pairs, const float *bias, int first, int prefetch, float *o,      \
-                     int64_t ldo, int cols)                                                    \
-    {                                                                                          \
-        enum { RR = R, PP = P };                                                               \
-        __mmask16 mask[PP];                                                                    \
-        __m512 c[PP][RR];                                                                      \
-        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                                 \
-            mask[j] = j == PP - 1 ? (__mmask16)((1u << cols) - 1) : (__mmask16)0xFFFF;          \
-            const __m512 b = first && bias ? _mm512_maskz_loadu_ps(mask[j], bias + j * NR)     \
-                                           : _mm512_setzero_ps();                              \
-            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                    \
-                first ? b : _mm512_maskz_loadu_ps(mask[j], o + r * ldo + j * NR);              \
-        }                                                                                      \
-        for (int64_t q = 0; q < pairs; q++) {                                                  \
-            _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++) {                             \
-                const uint16_t *pj = panel + j * pstride + q * qs;                             \
-                if (prefetch) _mm_prefetch((const char *)(pj + PREFETCH_LINES * qs), _MM_HINT_T0); \
-                const __m512bh w = (__m512bh)_mm512_loadu_si512(pj);                           \
-                _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) c[j][r] =                \
-                    _mm512_dpbf16_ps(c[j][r], (__m512bh)_mm512_set1_epi32((int)xp[q * xs + r]), \
-                                     w);                                                       \
-            }                                                                                  \
-        }                                                                                      \
-        _Pragma("GCC unroll 4") for (int j = 0; j < PP; j++)                                   \
-            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++)                              \
-                _mm512_mask_storeu_ps(o + r * ldo + j * NR, mask[j], c[j][r]);                 \
-    }
-MICRO_DP(16, 1, micro16_dp)
-MICRO_DP(15, 1, micro15_dp)
-MICRO_DP(14, 1, micro14_dp)
-MICRO_DP(13, 1, micro13_dp)
-MICRO_DP(12, 1, micro12_dp)
-MICRO_DP(11, 1, micro11_dp)
-MICRO_DP(10, 1, micro10_dp)
-MICRO_DP(9, 1, micro9_dp)
-MICRO_DP(8, 1, micro8_dp)
-MICRO_DP(7, 1, micro7_dp)
-MICRO_DP(6, 1, micro6_dp)
-MICRO_DP(5, 1, micro5_dp)
-MICRO_DP(4, 1, micro4_dp)
-MICRO_DP(3, 1, micro3_dp)
-MICRO_DP(2, 1, micro2_dp)
-MICRO_DP(1, 1, micro1_dp)
-MICRO_DP(4, WIDE_P, wide4_dp)
-MICRO_DP(3, WIDE_P, wide3_dp)
-MICRO_DP(2, WIDE_P, wide2_dp)
-MICRO_DP(1, WIDE_P, wide1_dp)
-MICRO_DP(4, HALF_P, half4_dp)
-MICRO_DP(3, HALF_P, half3_dp)
-MICRO_DP(2, HALF_P, half2_dp)
-MICRO_DP(1, HALF_P, half1_dp)
-#undef MICRO_DP
-
 /* Long x (prefill): TR rows x TP panels of accumulators (24 zmm), each k pair's TP weight
  * vectors loaded once and each row's pair broadcast once into a register, then used TP
  * times: 11 loads for 24 vdpbf16ps where the 16 x 1 micro-kernel issues 17 loads for 16 (a
@@ -146,14 +88,61 @@ static void tile_dp(const uint32_t *xp, const uint16_t *const panel[TP], const i
             _mm512_storeu_ps(o + r * ldo + j * NR, c[r][j]);
 }
 
-typedef void (*micro_dp_fn)(const uint32_t *, int64_t, int64_t, const uint16_t *, int64_t,
-                            int64_t, const float *, int, int, float *, int64_t, int);
-static const micro_dp_fn micros_dp[MR + 1] = {
-    0,          micro1_dp,  micro2_dp,  micro3_dp,  micro4_dp,  micro5_dp,
-    micro6_dp,  micro7_dp,  micro8_dp,  micro9_dp,  micro10_dp, micro11_dp,
-    micro12_dp, micro13_dp, micro14_dp, micro15_dp, micro16_dp};
-static const micro_dp_fn wides_dp[WIDE_R + 1] = {0, wide1_dp, wide2_dp, wide3_dp, wide4_dp};
-static const micro_dp_fn halves_dp[WIDE_R + 1] = {0, half1_dp, half2_dp, half3_dp, half4_dp};
+/* x's block of mb rows rounded to pairs for the micro-kernels (gemm_team.h): a few rows side
+ * by side (pair q of row r at xp[q mb + r], so one row's pairs share cache lines, which the
+ * other threads read), more in blocks of MR; by each thread into its own buffer (own), else
+ * by the team (many values) or one thread. */
+static inline __attribute__((always_inline)) void
+pack_block(const float *x, int64_t ldx, int64_t mb, int64_t k, uint32_t *xp, int64_t xs, int own)
+{
+    const int64_t kp = (k + 1) / 2;
+    if (own) {
+        for (int64_t r = 0; r < mb; r++) pack_pairs_row(x + r * ldx, k, xp + r, xs);
+    } else if (mb * k >= PACK_PARALLEL_MIN) {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < mb; r++)
+            pack_pairs_row(x + r * ldx, k, xp + (r / xs) * xs * kp + r % xs, xs);
+    } else {
+        #pragma omp single
+        for (int64_t r = 0; r < mb; r++)
+            pack_pairs_row(x + r * ldx, k, xp + (r / xs) * xs * kp + r % xs, xs);
+    }
+}
+
+/* After the micro-kernels (below the loops): a few rows on CpuLinear's groups by halves, and
+ * a long block's tiles. */
+static void few_rows_halves(const uint32_t *xp, int64_t xs, int64_t kp, int64_t mb,
+                            const uint16_t *packed, int64_t panels, int64_t n, const float *bias,
+                            float *out, int64_t ldo);
+static inline int64_t tiles(const uint32_t *xp, int64_t kp, int64_t mb, const uint16_t *packed,
+                            int64_t panels, int64_t n, const float *bias, float *out,
+                            int64_t ldo, int group);
+
+/* out = x . W^T + bias on bf16 panels in groups of `group` (PANEL_GROUP: CpuLinear's; 1:
+ * quant_gemm.c's slices), as the widening variants: x's rows are rounded into one thread's
+ * buffer (a decode step's: each thread's own; no memory for it: the widening kernel, which
+ * packs on the stack). */
+#define GEMM_MICROS "gemm_avx512_micro.h"
+#define W_FORM W_PAIRS
+#define GEMM_TEAM gemm_bf16_bf16_team_avx512bf16
+#define X_MISSING                                                                              \
+    if (!xb) {                                                                                 \
+        gemm_bf16_f32_team_avx512(x, ldx, m, packed, n, k, bias, out, ldo, group);             \
+        return;                                                                                \
+    }
+#define FEW_FIRST                                                                              \
+    if (mb <= WIDE2_R && group == WIDE_P) {                                                    \
+        few_rows_halves(xb, xs, kl, mb, packed, panels, n, bias, out + m0 * ldo, ldo);         \
+        continue;                                                                              \
+    }
+#define TILES() tiles(xb, kl, mb, packed, panels, n, bias, out + m0 * ldo, ldo, group)
+#include "gemm_team.h"
+#undef GEMM_MICROS
+#undef W_FORM
+#undef GEMM_TEAM
+#undef X_MISSING
+#undef FEW_FIRST
+#undef TILES
 
 /* Rows [0, mb) (at most WIDE2_R, packed in xp) times panels p .. p + np of CpuLinear's
  * groups: a whole group (np WIDE_P), half of one (HALF_P), or the panels after the last whole
@@ -177,7 +166,7 @@ static void few_rows_dp(const uint32_t *xp, int64_t xs, int64_t kp, int64_t qc, 
                               ldo, cols);
                 continue;
             }
-            const micro_dp_fn *fns = np == WIDE_P ? wides_dp : halves_dp;
+            const micro_fn_dp *fns = np == WIDE_P ? wides_dp : halves_dp;
             for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
                 fns[mb - r < WIDE_R ? mb - r : WIDE_R](xp + q0 * xs + r, xs, 2 * NR, panel, qs, qb,
                                                         pb, q0 == 0, r == 0,
@@ -186,144 +175,60 @@ static void few_rows_dp(const uint32_t *xp, int64_t xs, int64_t kp, int64_t qc, 
     }
 }
 
-/* out = x . W^T + bias on bf16 panels in groups of `group` (PANEL_GROUP: CpuLinear's; 1:
- * quant_gemm.c's slices). Every thread of the running parallel region's team calls it (one
- * thread alone where the work is too small to split), as the widening variants: x's rows are
- * rounded into one thread's buffer (a decode step's: each thread's own), the threads split
- * the panels, and it returns after the team's barrier. */
-void gemm_bf16_bf16_team_avx512bf16(const float *x, int64_t ldx, int64_t m,
-                                    const uint16_t *packed, int64_t n, int64_t k,
-                                    const float *bias, float *out, int64_t ldo, int group)
+/* A few rows on CpuLinear's groups: each thread takes an equal share of the groups' halves
+ * (the panels left over after the last whole group count as one more), a whole group of
+ * WIDE_P panels at a time where it holds both halves, so an odd number of groups does not
+ * leave one thread a group more to read; it returns after the team's barrier. */
+static void few_rows_halves(const uint32_t *xp, int64_t xs, int64_t kp, int64_t mb,
+                            const uint16_t *packed, int64_t panels, int64_t n, const float *bias,
+                            float *out, int64_t ldo)
 {
-    const int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, qc = KC;
-    /* a block of rows in packed pairs */
-    const size_t block_rows = (size_t)((m < MC ? m : MC) + MR - 1) / MR * MR;
-    const size_t words = block_rows * (size_t)(kp ? kp : 1);
-    /* A few short rows (a decode step): each thread rounds them into a buffer of its own on its
-     * stack, so the team meets once, at the end, not also after one thread's rounding. */
-    const int own = m <= WIDE2_R && m * kp <= OWN_PACK_WORDS;
-    uint32_t own_xp[own ? m * kp : 1];
-    uint32_t *xp = own_xp;
-    if (!own) {
-        #pragma omp single copyprivate(xp)
-        xp = gemm_pack_buffer(words * sizeof *xp);
+    const int64_t whole = panels / WIDE_P, halves = 2 * whole;
+    const int64_t items = halves + (panels > whole * WIDE_P);
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t end = items * (t + 1) / threads;
+    for (int64_t u = items * t / threads; u < end;) {
+        const int64_t p = u < halves ? u * HALF_P : halves * HALF_P;
+        const int whole_group =
+            u % 2 == 0 && u + 1 < end && !split_group(u / 2, panels, WIDE_P, 1);
+        const int64_t np = u >= halves ? panels - p : whole_group ? WIDE_P : HALF_P;
+        few_rows_dp(xp, xs, kp, KC, mb, p, np, u >= halves, packed, panels, n, bias, out, ldo);
+        u += u >= halves ? 1 : np / HALF_P;
     }
-    if (!xp) { /* no memory for the rounded rows: the widening kernel packs on the stack */
-        gemm_bf16_f32_team_avx512(x, ldx, m, packed, n, k, bias, out, ldo, group);
-        return;
-    }
+    #pragma omp barrier
+}
+
+/* A long block (x's rows MR apart, from xp): whole groups of TP full panels through tile_dp,
+ * TR rows at a time, the rest of their rows through the micro-kernels; returns the first
+ * panel the blocks of gemm_team.h's loops take (the last panels). */
+static inline int64_t tiles(const uint32_t *xp, int64_t kp, int64_t mb, const uint16_t *packed,
+                            int64_t panels, int64_t n, const float *bias, float *out,
+                            int64_t ldo, int group)
+{
 #define PANEL(p) (packed + panel_line0(p, kp, panels, group, 1) * 2 * NR) /* its pair 0 */
 #define QS(p) (panel_qs(p, panels, group, 1) * 2 * NR)
-    for (int64_t m0 = 0; m0 < m; m0 += MC) {
-        const int64_t mb = m - m0 < MC ? m - m0 : MC;
-        /* x's pairs: a few rows side by side (pair q of row r at xp[q mb + r], so one row's
-         * pairs share cache lines, which the other threads read), more in blocks of MR */
-        const int64_t xs = mb <= WIDE2_R ? mb : MR;
-        if (own) {
-            for (int64_t r = 0; r < mb; r++) pack_pairs_row(x + (m0 + r) * ldx, k, xp + r, xs);
-        } else if (mb * k >= PACK_PARALLEL_MIN) {
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < mb; r++)
-                pack_pairs_row(x + (m0 + r) * ldx, k, xp + (r / xs) * xs * kp + r % xs, xs);
-        } else {
-            #pragma omp single
-            for (int64_t r = 0; r < mb; r++)
-                pack_pairs_row(x + (m0 + r) * ldx, k, xp + (r / xs) * xs * kp + r % xs, xs);
-        }
-        if (mb <= WIDE2_R && group == WIDE_P) {
-            /* A few rows on CpuLinear's groups: each thread takes an equal share of the
-             * groups' halves (the panels left over after the last whole group count as one
-             * more), a whole group of WIDE_P panels at a time where it holds both halves, so
-             * an odd number of groups does not leave one thread a group more to read. */
-            const int64_t whole = panels / WIDE_P, halves = 2 * whole;
-            const int64_t items = halves + (panels > whole * WIDE_P);
-            {
-                const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-                const int64_t end = items * (t + 1) / threads;
-                for (int64_t u = items * t / threads; u < end;) {
-                    const int64_t p = u < halves ? u * HALF_P : halves * HALF_P;
-                    const int whole_group = u % 2 == 0 && u + 1 < end &&
-                                            !split_group(u / 2, panels, WIDE_P, 1);
-                    const int64_t np = u >= halves ? panels - p : whole_group ? WIDE_P : HALF_P;
-                    few_rows_dp(xp, xs, kp, qc, mb, p, np, u >= halves, packed, panels, n, bias,
-                                out + m0 * ldo, ldo);
-                    u += u >= halves ? 1 : np / HALF_P;
-                }
-            }
-            #pragma omp barrier
-            continue;
-        }
-        if (mb <= WIDE2_R) { /* a few rows: WIDE_P panels at a time, WIDE_R rows at a time */
-            const int64_t groups = (panels + WIDE_P - 1) / WIDE_P;
-            #pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t p0 = g * WIDE_P;
-                const int64_t np = panels - p0 < WIDE_P ? panels - p0 : WIDE_P;
-                for (int64_t q0 = 0; q0 == 0 || q0 < kp; q0 += qc) { /* K = 0: the bias */
-                    const int64_t qb = kp - q0 < qc ? kp - q0 : qc;
-                    for (int64_t p = p0; p < p0 + np; p += (np == WIDE_P ? WIDE_P : 1)) {
-                        const int64_t last = np == WIDE_P ? p + WIDE_P - 1 : p;
-                        const int cols = (int)(n - last * NR < NR ? n - last * NR : NR);
-                        const int64_t qs = QS(p);
-                        const uint16_t *panel = PANEL(p) + q0 * qs;
-                        const float *pb = bias ? bias + p * NR : 0;
-                        if (np != WIDE_P) { /* the last panels, one at a time */
-                            micros_dp[mb](xp + q0 * xs, xs, 0, panel, qs, qb, pb, q0 == 0, 1,
-                                          out + m0 * ldo + p * NR, ldo, cols);
-                            continue;
-                        }
-                        /* one group (WIDE_P is PANEL_GROUP), or panels one to a group */
-                        const int64_t pstride = group == 1 ? kp * 2 * NR : 2 * NR;
-                        for (int64_t r = 0; r < mb; r += WIDE_R) /* the first ones prefetch */
-                            wides_dp[mb - r < WIDE_R ? mb - r : WIDE_R](
-                                xp + q0 * xs + r, xs, pstride, panel, qs, qb, pb, q0 == 0, r == 0,
-                                out + (m0 + r) * ldo + p * NR, ldo, cols);
-                    }
-                }
-            }
-            continue;
-        }
-        /* whole groups of TP full panels through tile_dp, TR rows at a time; the rest
-         * (the last panels, a remainder of rows) through the micro-kernels */
-        const int64_t full = n / NR, groups = mb >= TILE_MIN_ROWS ? full / TP : 0;
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t p = g * TP;
-            const uint16_t *first[TP];
-            int64_t qs[TP];
-            for (int j = 0; j < TP; j++) first[j] = PANEL(p + j), qs[j] = QS(p + j);
-            for (int64_t q0 = 0; q0 == 0 || q0 < kp; q0 += TQ) {
-                const int64_t qb = kp - q0 < TQ ? kp - q0 : TQ;
-                const uint16_t *panel[TP];
-                for (int j = 0; j < TP; j++) panel[j] = first[j] + q0 * qs[j];
-                int64_t r = 0;
-                for (; r + TR <= mb; r += TR)
-                    tile_dp(xp + (r / MR) * MR * kp + r % MR + q0 * MR, panel, qs, qb,
-                            bias ? bias + p * NR : 0, q0 == 0, out + (m0 + r) * ldo + p * NR,
-                            ldo, TR);
-                for (int64_t j = 0; r < mb && j < TP; j++)
-                    micros_dp[mb - r](xp + (r / MR) * MR * kp + r % MR + q0 * MR, MR, 0, panel[j],
-                                      qs[j], qb, bias ? bias + (p + j) * NR : 0, q0 == 0, 0,
-                                      out + (m0 + r) * ldo + (p + j) * NR, ldo, NR);
-            }
-        }
-        #pragma omp for schedule(static)
-        for (int64_t p = groups * TP; p < panels; p++) {
-            const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-            const float *pbias = bias ? bias + p * NR : 0;
-            float *o = out + m0 * ldo + p * NR;
-            const int64_t qs = QS(p);
-            for (int64_t q0 = 0; q0 == 0 || q0 < kp; q0 += qc) { /* K = 0: the bias */
-                const int64_t qb = kp - q0 < qc ? kp - q0 : qc;
-                const uint16_t *panel = PANEL(p) + q0 * qs;
-                for (int64_t r = 0; r < mb; r += MR) {
-                    const int rows = (int)(mb - r < MR ? mb - r : MR);
-                    micros_dp[rows](xp + r * kp + q0 * MR, MR, 0, panel, qs, qb, pbias, q0 == 0,
-                                    r == 0, o + r * ldo, ldo, cols);
-                }
-            }
+    const int64_t full = n / NR, groups = mb >= TILE_MIN_ROWS ? full / TP : 0;
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t p = g * TP;
+        const uint16_t *first[TP];
+        int64_t qs[TP];
+        for (int j = 0; j < TP; j++) first[j] = PANEL(p + j), qs[j] = QS(p + j);
+        for (int64_t q0 = 0; q0 == 0 || q0 < kp; q0 += TQ) {
+            const int64_t qb = kp - q0 < TQ ? kp - q0 : TQ;
+            const uint16_t *panel[TP];
+            for (int j = 0; j < TP; j++) panel[j] = first[j] + q0 * qs[j];
+            int64_t r = 0;
+            for (; r + TR <= mb; r += TR)
+                tile_dp(xp + (r / MR) * MR * kp + r % MR + q0 * MR, panel, qs, qb,
+                        bias ? bias + p * NR : 0, q0 == 0, out + r * ldo + p * NR, ldo, TR);
+            for (int64_t j = 0; r < mb && j < TP; j++)
+                micros_dp[mb - r](xp + (r / MR) * MR * kp + r % MR + q0 * MR, MR, 0, panel[j],
+                                  qs[j], qb, bias ? bias + (p + j) * NR : 0, q0 == 0, 0,
+                                  out + r * ldo + (p + j) * NR, ldo, NR);
         }
     }
+    return groups * TP;
 #undef PANEL
 #undef QS
 }

@@ -78,6 +78,13 @@ static inline float bf16_at(const uint16_t *line, int64_t kk, int j)
     return bf16_to_f32(line[2 * j + (kk & 1)]);
 }
 
+/* The weights' forms gemm_team.h's loops take (W_FORM): float32 panels, a line a k; bf16
+ * pairs widened to float32 one k at a time (two k a line); bf16 pairs taken as pairs
+ * (vdpbf16ps: a pair a line). */
+#define W_F32 0
+#define W_BF16 1
+#define W_PAIRS 2
+
 #if defined(CONVEYOR_GEMM512)
 /* 32 zmm registers: MR accumulators, the panel's zmm and the broadcast x. */
 #define MR 16

@@ -198,25 +198,18 @@ CONVEYOR_EXPORT void argmax_f32(const float *x, int64_t stride, int64_t rows, in
                                 int64_t *out, int num_threads);
 CONVEYOR_EXPORT int nonfinite_rows_f32(const float *x, int64_t stride, int64_t rows,
                                        int64_t cols, uint8_t *bad, int num_threads);
-/* gemm.c: out = x @ W^T + bias on CpuLinear's panels (gemm_panels.h) */
-CONVEYOR_EXPORT void gemm_f32_f32(const float *x, int64_t ldx, int64_t m, const float *packed,
-                                  int64_t n, int64_t k, const float *bias, float *out,
-                                  int64_t ldo, int num_threads);
-CONVEYOR_EXPORT void gemm_bf16_f32(const float *x, int64_t ldx, int64_t m,
-                                   const uint16_t *packed, int64_t n, int64_t k,
-                                   const float *bias, float *out, int64_t ldo, int num_threads);
-CONVEYOR_EXPORT void gemm_bf16_f32_grouped(const float *x, int64_t ldx, int64_t m,
-                                           const uint16_t *packed, int64_t n, int64_t k,
-                                           const float *bias, float *out, int64_t ldo,
-                                           int num_threads, int group);
+/* gemm.c: out = x @ W^T + bias on CpuLinear's panels (gemm_panels.h), on a team of
+ * num_threads; _grouped: the panels in groups of `group` (quant_gemm.c's slices: 1). The
+ * operands every GEMM takes: */
+#define GEMM_OPERANDS(W_T)                                                                     \
+    const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,           \
+        const float *bias, float *out, int64_t ldo
+CONVEYOR_EXPORT void gemm_f32_f32(GEMM_OPERANDS(float), int num_threads);
+CONVEYOR_EXPORT void gemm_bf16_f32(GEMM_OPERANDS(uint16_t), int num_threads);
+CONVEYOR_EXPORT void gemm_bf16_f32_grouped(GEMM_OPERANDS(uint16_t), int num_threads, int group);
 #ifdef CONVEYOR_DPBF16
-CONVEYOR_EXPORT void gemm_bf16_bf16(const float *x, int64_t ldx, int64_t m,
-                                    const uint16_t *packed, int64_t n, int64_t k,
-                                    const float *bias, float *out, int64_t ldo, int num_threads);
-CONVEYOR_EXPORT void gemm_bf16_bf16_grouped(const float *x, int64_t ldx, int64_t m,
-                                            const uint16_t *packed, int64_t n, int64_t k,
-                                            const float *bias, float *out, int64_t ldo,
-                                            int num_threads, int group);
+CONVEYOR_EXPORT void gemm_bf16_bf16(GEMM_OPERANDS(uint16_t), int num_threads);
+CONVEYOR_EXPORT void gemm_bf16_bf16_grouped(GEMM_OPERANDS(uint16_t), int num_threads, int group);
 #endif
 /* Which GEMM this build has: 0 generic, 1 AVX2 + FMA, 2 AVX-512 (bf16 weights widened), 3
  * AVX-512 with bf16 panels through vdpbf16ps. */
@@ -286,13 +279,10 @@ void rotary_f32_team_nowait(float *x, int64_t row_stride, int64_t rows, int num_
 void silu_mul_f32_team(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride,
                        int64_t rows, int inter);
 /* gemm.c, on CpuLinear's groups of panels (gemm_bf16_bf16_team: DPBF16 builds only) */
-void gemm_f32_f32_team(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n,
-                       int64_t k, const float *bias, float *out, int64_t ldo);
-void gemm_bf16_f32_team(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
-                        int64_t n, int64_t k, const float *bias, float *out, int64_t ldo);
+void gemm_f32_f32_team(GEMM_OPERANDS(float));
+void gemm_bf16_f32_team(GEMM_OPERANDS(uint16_t));
 #ifdef CONVEYOR_DPBF16
-void gemm_bf16_bf16_team(const float *x, int64_t ldx, int64_t m, const uint16_t *packed,
-                         int64_t n, int64_t k, const float *bias, float *out, int64_t ldo);
+void gemm_bf16_bf16_team(GEMM_OPERANDS(uint16_t));
 #endif
 /* quantize.c: m rows of x into passes x m rows of k / 32 blocks, the team splitting the rows;
  * _own: all by the calling thread, no barrier (into a buffer of quantize_q8a_own_bytes, 0
@@ -314,9 +304,7 @@ int gemm_gguf_q8a_team(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int6
 
 /* gemm_avx512.c, gemm_avx2.c, gemm_generic.c, gemm_avx512bf16.c: the team GEMMs on panels in
  * groups of `group` (PANEL_GROUP: CpuLinear's; 1: quant_gemm.c's slices). */
-#define GEMM_TEAM_ARGS(W_T)                                                                    \
-    const float *x, int64_t ldx, int64_t m, const W_T *packed, int64_t n, int64_t k,           \
-        const float *bias, float *out, int64_t ldo, int group
+#define GEMM_TEAM_ARGS(W_T) GEMM_OPERANDS(W_T), int group
 void gemm_f32_f32_team_generic(GEMM_TEAM_ARGS(float));
 void gemm_bf16_f32_team_generic(GEMM_TEAM_ARGS(uint16_t));
 #if defined(CONVEYOR_AVX2) && !defined(CONVEYOR_GEMM512)

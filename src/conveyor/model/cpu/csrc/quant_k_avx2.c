@@ -9,17 +9,6 @@
 #include "quant_layout.h"
 #include "quant_simd.h"
 
-static inline __m256 halves8(const uint8_t *p)
-{
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-
-static inline __m256 bytes8(const uint8_t *p, int is_signed)
-{
-    const __m128i raw = _mm_loadl_epi64((const __m128i *)p);
-    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
-}
-
 /* Eight rows (the half `hf` of a group: bytes 32 hf .. 32 hf + 31 of each 64-byte quad row,
  * scales 8 hf ..) against one activation row (x2: the second pass, or NULL), nsb
  * super-blocks; inlined into one copy per type and pass count. */
@@ -135,46 +124,18 @@ half_dot_q6k(const uint8_t *w, int hf, int64_t nsb, const q8a_block *x, const q8
     _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
 }
 
-/* One activation row at a time, each half of the group in turn; inlined into one copy per
- * type. */
-static inline __attribute__((always_inline)) void
-tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const q8a_block *x2,
-         int64_t ldx, int rows, float *out)
-{
-    const int64_t nsb = k / QK_K;
-    for (int t = 0; t < rows; t++)
-        for (int hf = 0; hf < 2; hf++) {
-            const q8a_block *xt = x + t * ldx, *yt = x2 ? x2 + t * ldx : 0;
-            float *o = out + QG * t + 8 * hf;
-            if (qtype == Q6_K) {
-                if (yt)
-                    half_dot_q6k(w, hf, nsb, xt, yt, o);
-                else
-                    half_dot_q6k(w, hf, nsb, xt, 0, o);
-            } else if (yt) {
-                half_dot_q45k(qtype, w, hf, nsb, xt, yt, o);
-            } else {
-                half_dot_q45k(qtype, w, hf, nsb, xt, 0, o);
-            }
-        }
-}
-
-void dot_q4_k_q8a_avx2(QUANT_DOT_ARGS)
-{
-    (void)xsum;
-    tile_dot(Q4_K, w, k, x, x2, ldx, rows, out);
-}
-
-void dot_q5_k_q8a_avx2(QUANT_DOT_ARGS)
-{
-    (void)xsum;
-    tile_dot(Q5_K, w, k, x, x2, ldx, rows, out);
-}
-
-void dot_q6_k_q8a_avx2(QUANT_DOT_ARGS)
-{
-    (void)xsum;
-    tile_dot(Q6_K, w, k, x, x2, ldx, rows, out);
-}
+/* One activation row (x2: its second pass, or NULL), each half of the group in turn; a copy
+ * for each pass count. */
+#define TILE(TYPE, T, x_, x2_, out_)                                                           \
+    for (int hf = 0; hf < 2; hf++)                                                             \
+        if (TYPE == Q6_K)                                                                      \
+            (x2_) ? half_dot_q6k(w, hf, k / QK_K, x_, x2_, (out_) + 8 * hf)                    \
+                  : half_dot_q6k(w, hf, k / QK_K, x_, 0, (out_) + 8 * hf);                     \
+        else                                                                                   \
+            (x2_) ? half_dot_q45k(TYPE, w, hf, k / QK_K, x_, x2_, (out_) + 8 * hf)             \
+                  : half_dot_q45k(TYPE, w, hf, k / QK_K, x_, 0, (out_) + 8 * hf)
+#define QUANT_TYPES K_TYPES
+#define DOT_ISA avx2
+#include "quant_entries.h"
 
 #endif

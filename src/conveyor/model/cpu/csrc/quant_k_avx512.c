@@ -180,43 +180,11 @@ tile_q6k(const int T, const uint8_t *w, int64_t nsb, const q8a_block *x, const q
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + QG * t, _mm512_add_ps(acc[t], acc2[t]));
 }
 
-/* One copy per type, tile height (1 .. QT) and pass count. */
-#define TILE_Q45K(Q, T)                                                                        \
-    (x2 ? tile_q45k(Q, T, w, nsb, x, x2, ldx, out) : tile_q45k(Q, T, w, nsb, x, 0, ldx, out))
-#define TILE_Q6K(T)                                                                            \
-    (x2 ? tile_q6k(T, w, nsb, x, x2, ldx, xsum, out) : tile_q6k(T, w, nsb, x, 0, ldx, xsum, out))
-#define BY_ROWS(CALL)                                                                          \
-    switch (rows) {                                                                            \
-    case 1: CALL(1); break;                                                                    \
-    case 2: CALL(2); break;                                                                    \
-    case 3: CALL(3); break;                                                                    \
-    default: CALL(4); break;                                                                   \
-    }
-
-_Static_assert(QT == 4, "BY_ROWS instantiates tiles of 1 .. 4 rows");
-
-void dot_q4_k_q8a_avx512(QUANT_DOT_ARGS)
-{
-    const int64_t nsb = k / QK_K;
-    (void)xsum;
-#define Q4K(T) TILE_Q45K(Q4_K, T)
-    BY_ROWS(Q4K)
-#undef Q4K
-}
-
-void dot_q5_k_q8a_avx512(QUANT_DOT_ARGS)
-{
-    const int64_t nsb = k / QK_K;
-    (void)xsum;
-#define Q5K(T) TILE_Q45K(Q5_K, T)
-    BY_ROWS(Q5K)
-#undef Q5K
-}
-
-void dot_q6_k_q8a_avx512(QUANT_DOT_ARGS)
-{
-    const int64_t nsb = k / QK_K;
-    BY_ROWS(TILE_Q6K)
-}
+#define TILE(TYPE, T, x_, x2_, out_)                                                           \
+    (TYPE == Q6_K ? tile_q6k(T, w, k / QK_K, x_, x2_, ldx, xsum, out_)                          \
+                  : tile_q45k(TYPE, T, w, k / QK_K, x_, x2_, ldx, out_))
+#define QUANT_TYPES K_TYPES
+#define DOT_ISA avx512
+#include "quant_entries.h"
 
 #endif

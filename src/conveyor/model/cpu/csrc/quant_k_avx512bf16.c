@@ -66,19 +66,8 @@ group_panel(const int qtype, const uint8_t *w, int64_t k, uint16_t *panel)
     }
 }
 
-void panel_q4_k_bf16(const uint8_t *w, int64_t k, uint16_t *panel)
-{
-    group_panel(Q4_K, w, k, panel);
-}
-
-void panel_q5_k_bf16(const uint8_t *w, int64_t k, uint16_t *panel)
-{
-    group_panel(Q5_K, w, k, panel);
-}
-
-void panel_q6_k_bf16(const uint8_t *w, int64_t k, uint16_t *panel)
-{
-    group_panel(Q6_K, w, k, panel);
-}
+#define TO_PANEL group_panel
+#define QUANT_TYPES K_TYPES
+#include "quant_entries.h"
 
 #endif

@@ -49,10 +49,9 @@ static float block_dot(const int8_t *q, const float *scale, float mn, const q8a_
 /* Plain C: the same integer sums per half-block, the same float operations in order. */
 static inline __attribute__((always_inline)) void
 tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const q8a_block *x2,
-         int64_t ldx, int rows, const int32_t *xsum, float *out)
+         int64_t ldx, int rows, float *out)
 {
     const int64_t bytes = k_block_bytes(qtype);
-    (void)xsum;
     for (int t = 0; t < rows; t++) {
         const q8a_block *xt = x + t * ldx, *yt = x2 ? x2 + t * ldx : 0;
         for (int r = 0; r < QG; r++) {
@@ -69,12 +68,6 @@ tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const
     }
 }
 
-void dot_q4_k_q8a_generic(QUANT_DOT_ARGS) { tile_dot(Q4_K, w, k, x, x2, ldx, rows, xsum, out); }
-
-void dot_q5_k_q8a_generic(QUANT_DOT_ARGS) { tile_dot(Q5_K, w, k, x, x2, ldx, rows, xsum, out); }
-
-void dot_q6_k_q8a_generic(QUANT_DOT_ARGS) { tile_dot(Q6_K, w, k, x, x2, ldx, rows, xsum, out); }
-
 static inline __attribute__((always_inline)) void
 row_dequantize(const int qtype, const uint8_t *w, int r, int64_t k, float *out)
 {
@@ -87,17 +80,8 @@ row_dequantize(const int qtype, const uint8_t *w, int r, int64_t k, float *out)
     }
 }
 
-void dequantize_q4_k_f32(const uint8_t *w, int r, int64_t k, float *out)
-{
-    row_dequantize(Q4_K, w, r, k, out);
-}
-
-void dequantize_q5_k_f32(const uint8_t *w, int r, int64_t k, float *out)
-{
-    row_dequantize(Q5_K, w, r, k, out);
-}
-
-void dequantize_q6_k_f32(const uint8_t *w, int r, int64_t k, float *out)
-{
-    row_dequantize(Q6_K, w, r, k, out);
-}
+#define TILE(TYPE, T, x_, x2_, out_) tile_dot(TYPE, w, k, x_, x2_, ldx, T, out_)
+#define DEQUANTIZE row_dequantize
+#define QUANT_TYPES K_TYPES
+#define DOT_ISA generic
+#include "quant_entries.h"

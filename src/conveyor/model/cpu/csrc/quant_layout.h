@@ -88,6 +88,11 @@ static inline int64_t k_block_bytes(int qtype)
     }
 }
 
+/* The two families of types, each written once in its files (quant_entries.h): X(t, TYPE)
+ * per type, t the entry points' name for it. */
+#define X8_TYPES(X) X(q8_0, Q8_0) X(q4_0, Q4_0) X(q4_1, Q4_1) /* quant_x8_*.c */
+#define K_TYPES(X) X(q4_k, Q4_K) X(q5_k, Q5_K) X(q6_k, Q6_K)   /* quant_k_*.c */
+
 /* The 32-weight types: bytes of scales before the quants. */
 static inline int header_bytes(int qtype) { return qtype == Q4_1 ? 4 * QG : 2 * QG; }
 

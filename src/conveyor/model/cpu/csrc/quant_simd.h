@@ -56,6 +56,20 @@ static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s)
 #endif
 }
 
+/* Eight float16 scales at p, and eight bytes (signed or not) as floats (the AVX2 paths). */
+#ifdef __F16C__
+static inline __m256 halves8(const uint8_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#endif
+
+static inline __m256 bytes8(const uint8_t *p, int is_signed)
+{
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)p);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
+}
+
 /* Activation quants 4 g .. 4 g + 3 in every lane (the AVX2 paths). */
 static inline __m256i quad(const int8_t *q, int g)
 {

@@ -44,7 +44,7 @@ half_dot(const int qtype, const uint8_t *w, int hf, int64_t nb, const q8a_block 
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * bytes, *q = p + head + 32 * hf;
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * hf)));
+        const __m256 d = halves8(p + 16 * hf);
         float s = x[b].s;
         acc0 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[b].d)),
                                _mm256_cvtepi32_ps(block_isums(qtype, q, x[b].q)), acc0);
@@ -54,9 +54,7 @@ half_dot(const int qtype, const uint8_t *w, int hf, int64_t nb, const q8a_block 
             s += x2[b].s;
         }
         if (qtype == Q4_1) {
-            const __m256 m =
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * QG + 16 * hf)));
-            acc1 = _mm256_fmadd_ps(m, _mm256_set1_ps(s), acc1);
+            acc1 = _mm256_fmadd_ps(halves8(p + 2 * QG + 16 * hf), _mm256_set1_ps(s), acc1);
         } else if (qtype == Q4_0) {
             acc1 = _mm256_fmadd_ps(d, _mm256_set1_ps(-8.f * s), acc1);
         }
@@ -64,40 +62,16 @@ half_dot(const int qtype, const uint8_t *w, int hf, int64_t nb, const q8a_block 
     _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
 }
 
-/* One activation row at a time, each half of the group in turn; inlined into one copy per
- * type. */
-static inline __attribute__((always_inline)) void
-tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const q8a_block *x2,
-         int64_t ldx, int rows, float *out)
-{
-    const int64_t nb = k / QK;
-    for (int t = 0; t < rows; t++)
-        for (int hf = 0; hf < 2; hf++) {
-            const q8a_block *xt = x + t * ldx;
-            float *o = out + QG * t + 8 * hf;
-            if (x2)
-                half_dot(qtype, w, hf, nb, xt, x2 + t * ldx, o);
-            else
-                half_dot(qtype, w, hf, nb, xt, 0, o);
-        }
-}
-
-void dot_q8_0_q8a_avx2(QUANT_DOT_ARGS)
-{
-    (void)xsum;
-    tile_dot(Q8_0, w, k, x, x2, ldx, rows, out);
-}
-
-void dot_q4_0_q8a_avx2(QUANT_DOT_ARGS)
-{
-    (void)xsum;
-    tile_dot(Q4_0, w, k, x, x2, ldx, rows, out);
-}
-
-void dot_q4_1_q8a_avx2(QUANT_DOT_ARGS)
-{
-    (void)xsum;
-    tile_dot(Q4_1, w, k, x, x2, ldx, rows, out);
-}
+/* One activation row (x2: its second pass, or NULL), each half of the group in turn; a copy
+ * for each pass count. */
+#define TILE(TYPE, T, x_, x2_, out_)                                                           \
+    for (int hf = 0; hf < 2; hf++)                                                             \
+        if (x2_)                                                                               \
+            half_dot(TYPE, w, hf, k / QK, x_, x2_, (out_) + 8 * hf);                           \
+        else                                                                                   \
+            half_dot(TYPE, w, hf, k / QK, x_, 0, (out_) + 8 * hf)
+#define QUANT_TYPES X8_TYPES
+#define DOT_ISA avx2
+#include "quant_entries.h"
 
 #endif

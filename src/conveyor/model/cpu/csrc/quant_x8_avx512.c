@@ -108,35 +108,9 @@ tile_x16(const int qtype, const int T, const uint8_t *w, int64_t nb, const q8a_b
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + QG * t, _mm512_add_ps(acc0[t], acc1[t]));
 }
 
-#define TILE_FOR(Q, T)                                                                         \
-    (x2 ? tile_x16(Q, T, w, nb, x, x2, ldx, xsum, out)                                          \
-        : tile_x16(Q, T, w, nb, x, 0, ldx, xsum, out))
-#define BY_ROWS(Q)                                                                             \
-    switch (rows) {                                                                            \
-    case 1: TILE_FOR(Q, 1); break;                                                             \
-    case 2: TILE_FOR(Q, 2); break;                                                             \
-    case 3: TILE_FOR(Q, 3); break;                                                             \
-    default: TILE_FOR(Q, 4); break;                                                            \
-    }
-
-_Static_assert(QT == 4, "BY_ROWS instantiates tiles of 1 .. 4 rows");
-
-void dot_q8_0_q8a_avx512(QUANT_DOT_ARGS)
-{
-    const int64_t nb = k / QK;
-    BY_ROWS(Q8_0)
-}
-
-void dot_q4_0_q8a_avx512(QUANT_DOT_ARGS)
-{
-    const int64_t nb = k / QK;
-    BY_ROWS(Q4_0)
-}
-
-void dot_q4_1_q8a_avx512(QUANT_DOT_ARGS)
-{
-    const int64_t nb = k / QK;
-    BY_ROWS(Q4_1)
-}
+#define TILE(TYPE, T, x_, x2_, out_) tile_x16(TYPE, T, w, k / QK, x_, x2_, ldx, xsum, out_)
+#define QUANT_TYPES X8_TYPES
+#define DOT_ISA avx512
+#include "quant_entries.h"
 
 #endif

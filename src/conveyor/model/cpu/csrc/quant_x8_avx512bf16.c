@@ -37,19 +37,8 @@ group_panel(const int qtype, const uint8_t *w, int64_t k, uint16_t *panel)
     }
 }
 
-void panel_q8_0_bf16(const uint8_t *w, int64_t k, uint16_t *panel)
-{
-    group_panel(Q8_0, w, k, panel);
-}
-
-void panel_q4_0_bf16(const uint8_t *w, int64_t k, uint16_t *panel)
-{
-    group_panel(Q4_0, w, k, panel);
-}
-
-void panel_q4_1_bf16(const uint8_t *w, int64_t k, uint16_t *panel)
-{
-    group_panel(Q4_1, w, k, panel);
-}
+#define TO_PANEL group_panel
+#define QUANT_TYPES X8_TYPES
+#include "quant_entries.h"
 
 #endif

@@ -18,11 +18,10 @@ static inline int quant(int qtype, const uint8_t *q, int r, int j)
 /* Plain C: the same integer sums per block, the same float operations in order. */
 static inline __attribute__((always_inline)) void
 tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const q8a_block *x2,
-         int64_t ldx, int rows, const int32_t *xsum, float *out)
+         int64_t ldx, int rows, float *out)
 {
     const int64_t bytes = x8_block_bytes(qtype), nb = k / QK;
     const int head = header_bytes(qtype);
-    (void)xsum;
     for (int t = 0; t < rows; t++) {
         const q8a_block *xt = x + t * ldx, *yt = x2 ? x2 + t * ldx : 0;
         for (int r = 0; r < QG; r++) {
@@ -56,12 +55,6 @@ tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const
     }
 }
 
-void dot_q8_0_q8a_generic(QUANT_DOT_ARGS) { tile_dot(Q8_0, w, k, x, x2, ldx, rows, xsum, out); }
-
-void dot_q4_0_q8a_generic(QUANT_DOT_ARGS) { tile_dot(Q4_0, w, k, x, x2, ldx, rows, xsum, out); }
-
-void dot_q4_1_q8a_generic(QUANT_DOT_ARGS) { tile_dot(Q4_1, w, k, x, x2, ldx, rows, xsum, out); }
-
 /* Row r of a group: d q (Q8_0, stored + 128), d (q - 8) (Q4_0), d q + m (Q4_1). */
 static inline __attribute__((always_inline)) void
 row_dequantize(const int qtype, const uint8_t *w, int r, int64_t k, float *out)
@@ -91,17 +84,8 @@ row_dequantize(const int qtype, const uint8_t *w, int r, int64_t k, float *out)
     }
 }
 
-void dequantize_q8_0_f32(const uint8_t *w, int r, int64_t k, float *out)
-{
-    row_dequantize(Q8_0, w, r, k, out);
-}
-
-void dequantize_q4_0_f32(const uint8_t *w, int r, int64_t k, float *out)
-{
-    row_dequantize(Q4_0, w, r, k, out);
-}
-
-void dequantize_q4_1_f32(const uint8_t *w, int r, int64_t k, float *out)
-{
-    row_dequantize(Q4_1, w, r, k, out);
-}
+#define TILE(TYPE, T, x_, x2_, out_) tile_dot(TYPE, w, k, x_, x2_, ldx, T, out_)
+#define DEQUANTIZE row_dequantize
+#define QUANT_TYPES X8_TYPES
+#define DOT_ISA generic
+#include "quant_entries.h"
