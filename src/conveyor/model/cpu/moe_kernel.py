@@ -34,6 +34,9 @@ class MoeKernel:
         )
         self._down = (LinearDescC * len(experts))(*(describe_linear(e.down_proj) for e in experts))
         self.num_experts = len(experts)
+        # Work buffers kept between calls (a step's size), grown when a step needs more.
+        self._scratch = torch.empty(0, dtype=torch.float32)
+        self._xq = torch.empty(0, dtype=torch.uint8)
 
     @classmethod
     def build(cls, experts: Any, kernels: Any) -> MoeKernel | None:
@@ -63,9 +66,11 @@ class MoeKernel:
         weights = weights.to(torch.float32).contiguous()
         h, inter = self.hidden, self.inter
         out = torch.zeros(t, h, dtype=torch.float32)
-        scratch = torch.empty(t * (2 * h + 3 * inter), dtype=torch.float32)
-        xg, gate_up, act, y = scratch.split([t * h, t * 2 * inter, t * inter, t * h])
-        xq = torch.empty(q8a_bytes(self.passes, max(t, 1), max(h, inter)), dtype=torch.uint8)
+        scratch = self._scratch = _at_least(self._scratch, t * (2 * h + 3 * inter))
+        xg, gate_up, act, y, _ = scratch.split(
+            [t * h, t * 2 * inter, t * inter, t * h, scratch.numel() - t * (2 * h + 3 * inter)]
+        )
+        xq = self._xq = _at_least(self._xq, q8a_bytes(self.passes, max(t, 1), max(h, inter)))
         args = MoeArgsC(
             t=t, hidden=h, inter=inter, top_k=chosen.shape[1], num_experts=self.num_experts,
             passes=self.passes, num_threads=torch.get_num_threads(), x=x.data_ptr(),
@@ -80,3 +85,8 @@ class MoeKernel:
         if failed:
             raise ValueError(f"the experts' kernel failed: {_ERRORS.get(failed, failed)}.")
         return out
+
+
+def _at_least(buffer: torch.Tensor, n: int) -> torch.Tensor:
+    """`buffer`, or a new one of `n` elements (its dtype) where it holds fewer."""
+    return buffer if buffer.numel() >= n else torch.empty(n, dtype=buffer.dtype)
