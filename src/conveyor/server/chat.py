@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -25,8 +26,14 @@ from conveyor.server.constraints import (
 )
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
+from conveyor.server.harmony import STOP_MARKERS
 from conveyor.server.protocol import ChatCompletionRequest
-from conveyor.server.reasoning import ReasoningParser, ReasoningStream, constraint_refusal
+from conveyor.server.reasoning import (
+    HARMONY,
+    ReasoningParser,
+    ReasoningStream,
+    constraint_refusal,
+)
 from conveyor.server.request_fields import template_fields
 from conveyor.server.responses import (
     ChatCompletionResponse,
@@ -101,8 +108,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             thinking, text = reasoning.split(text)
             thinking = thinking or None
         content, calls, finish_reason = text, [], c.finish_reason
-        if tools is not None:
-            content, calls, finish_reason = tools.read(text, c.finish_reason)
+        if tools is not None:  # harmony's (markup) reads its channels from the whole answer
+            content, calls, finish_reason = tools.read(
+                c.text if tools.markup else text, c.finish_reason
+            )
         if thinking is not None and not content:
             content = None
         message = ChatResponseMessage(
@@ -170,6 +179,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatP
     tool_format = ctx.tool_format(template)
     tools = tool_setup(req.tools, req.tool_choice, tool_format, req.parallel_tool_calls)
     reasoning = ctx.reasoning(req.chat_template_kwargs, template)
+    if tool_format == "harmony":  # one format: its channels are always read (server/harmony.py)
+        reasoning = HARMONY
     if reasoning is not None:
         _refuse_constraints(req, tools, reasoning)
     # Cheap checks of the messages before the constraint's (which may take a worker's time).
@@ -200,6 +211,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatP
     if tools is not None and tools.mode == "auto" and tool_format == "mistral":
         # [TOOL_CALLS] is a special token: the parser has to see it (as vLLM does).
         params = dataclasses.replace(params, skip_special_tokens=False)
+    if reasoning is HARMONY:
+        params = _harmony_params(params, ctx.engine.tokenizer)
     ctx.check_size(params.n)  # before the template runs
     prompt_ids = await ctx.render_chat(
         req.messages,
@@ -213,6 +226,19 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatP
     prompt_ids = ctx.truncated(prompt_ids, req.truncate_prompt_tokens)
     ctx.check_fits(prompt_ids, params, "messages")
     return ChatPlan(prompt_ids, params, tools, reasoning, param, top)
+
+
+def _harmony_params(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """A harmony answer's parameters: its markers are special tokens the reader has to see,
+    and `<|return|>` and `<|call|>` end it even where generation_config does not say so (as
+    vLLM adds them)."""
+    out = copy.copy(params)  # the added ids do not count against the request's own
+    out.skip_special_tokens = False
+    stops = [tokenizer.backend.token_to_id(marker) for marker in STOP_MARKERS]
+    extra = [t for t in stops if t is not None and t not in params.stop_token_ids]
+    if extra and not params.ignore_eos:
+        out.stop_token_ids = [*params.stop_token_ids, *extra]
+    return out
 
 
 def _refuse_constraints(
@@ -291,7 +317,7 @@ class _ChatEvents(ChunkEvents):
 
     def choice(self, index: int, text: str, output: CompletionOutput, num_generated: int) -> str:
         finish = output.finish_reason
-        thinking = ""
+        thinking, raw = "", text
         if self._reasoning:
             thinking, text = self._reasoning[index].feed(text)
             if finish is not None:
@@ -307,7 +333,7 @@ class _ChatEvents(ChunkEvents):
             return self._chunks.tool_calls(index, None, [call], finish, num_generated)
         if self._streams:
             stream = self._streams[index]
-            text, calls = stream.feed(text)
+            text, calls = stream.feed(raw if self._tools.markup else text)
             if finish is not None:
                 rest, more, finish = stream.finish(finish)
                 text, calls = text + rest, calls + more

@@ -233,18 +233,19 @@ class ServerConfig:
     tool_call_parser: str | None = setting(
         None,
         "the tool-call format (server/tool_parsers.py): how tools reach the model and how "
-        '`tool_choice: "auto"` reads its calls',
+        '`tool_choice: "auto"` reads its calls; harmony (gpt-oss) reads every answer\'s '
+        "channels, its reasoning included",
         section=SERVER,
         choices=tuple(TOOL_CALL_PARSERS),
         unset="the one the chat template teaches",
     )
     reasoning_parser: str | None = setting(
         None,
-        "how a chat answer's <think>...</think> part becomes `reasoning_content` "
-        "(server/reasoning.py); none: no split",
+        "how a chat answer's <think>...</think> part (harmony: its analysis channel) becomes "
+        "`reasoning_content` (server/reasoning.py); none: no split",
         section=SERVER,
         choices=REASONING_PARSER_CHOICES,
-        unset="the one the chat template calls for (none if it has no <think> tags)",
+        unset="the one the chat template calls for (none if it has no <think> tags or <|channel|>)",
     )
     engine_process: bool = setting(
         True,

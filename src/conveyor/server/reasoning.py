@@ -1,6 +1,8 @@
-"""Reasoning models: a chat answer's `<think>…</think>` part split off as `reasoning_content`
-(vLLM's `--reasoning-parser`). `--reasoning-parser NAME` picks a parser; without it the chat
-template decides (`detect_reasoning_parser`); `none` turns the split off.
+"""Reasoning models: a chat answer's thinking (`<think>…</think>`, or harmony's analysis channel)
+split off as `reasoning_content` (vLLM's `--reasoning-parser`). `--reasoning-parser NAME` picks
+a parser; without it the chat template decides (`detect_reasoning_parser`); `none` turns the
+split off (not for harmony: a template with `<|channel|>` is read as harmony whole, through its
+tool-call format, server/chat.py).
 
     deepseek_r1  DeepSeek-R1, QwQ, Qwen3-Thinking: the template's generation prompt may end
                  with `<think>\\n`, so the answer may start inside its thinking: everything up
@@ -8,6 +10,9 @@ template decides (`detect_reasoning_parser`); `none` turns the split off.
     qwen3        Qwen3 (hybrid thinking): reasoning only when the answer opens with `<think>`
                  (blanks before it are dropped); an answer without it is all content
     think        an alias of qwen3: any model that writes `<think>…</think>` itself
+    harmony      gpt-oss (a template with `<|channel|>`): the analysis channel is the reasoning,
+                 the final channel and preambles the content, and calls are read from the same
+                 answer by the harmony tool-call format (server/harmony.py)
 
 Either way an answer cut off before `</think>` is all reasoning once it began, and what follows
 `</think>` is the content, exactly as written. Streamed, `ReasoningStream` sends the same text
@@ -29,6 +34,8 @@ import logging
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from conveyor.server.harmony import CHANNEL, HarmonyReader, read_harmony
 
 logger = logging.getLogger("conveyor.server")
 
@@ -65,10 +72,26 @@ class ReasoningParser:
         return ReasoningStream(self)
 
 
+@dataclass(frozen=True, slots=True)
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss's harmony answers: (reasoning, content) of its channels; calls are dropped here
+    and read by the harmony tool-call format (server/tool_parsers.py) when the request has
+    tools."""
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        answer = read_harmony(text)
+        return answer.reasoning, answer.content
+
+    def stream(self) -> HarmonyReader:  # ReasoningStream's feed and finish
+        return HarmonyReader()
+
+
+HARMONY = HarmonyReasoningParser("harmony", starts_inside=True)
 REASONING_PARSERS: dict[str, ReasoningParser] = {
     "deepseek_r1": ReasoningParser("deepseek_r1", starts_inside=True),
     "qwen3": ReasoningParser("qwen3", starts_inside=False),
     "think": ReasoningParser("think", starts_inside=False),
+    "harmony": HARMONY,
 }
 # --reasoning-parser's choices: a parser, or none (no split even if the template thinks).
 REASONING_PARSER_CHOICES = (*REASONING_PARSERS, "none")
@@ -144,7 +167,10 @@ def thinking_disabled(template_kwargs: dict[str, Any] | None, template_source: s
 def detect_reasoning_parser(template: str | None, generation_prompt: str | None) -> str | None:
     """The reasoning parser a chat template calls for: "deepseek_r1" when its generation
     prompt (what add_generation_prompt adds to a one-message chat; None: not renderable)
-    leaves a `<think>` open, "qwen3" when the template otherwise names the tags, else None."""
+    leaves a `<think>` open, "qwen3" when the template otherwise names the tags, "harmony" when
+    it writes harmony's channels (gpt-oss), else None."""
+    if template and CHANNEL in template:
+        return "harmony"
     if not template or (THINK_OPEN not in template and THINK_CLOSE not in template):
         return None
     if generation_prompt is not None:
@@ -185,10 +211,12 @@ def choose_reasoning_parser(flag: str | None, tokenizer: Any) -> ReasoningParser
         return REASONING_PARSERS[flag]
     template = getattr(tokenizer, "chat_template_text", None)
     name = None
-    if template and (THINK_OPEN in template or THINK_CLOSE in template):
+    if template and CHANNEL in template:
+        name = "harmony"
+    elif template and (THINK_OPEN in template or THINK_CLOSE in template):
         name = detect_reasoning_parser(template, generation_prompt(tokenizer.hf))
     if name is None:
-        logger.info("Reasoning parser: none (the chat template has no <think> tags)")
+        logger.info("Reasoning parser: none (the chat template has no <think> tags or channels)")
         return None
     logger.info("Reasoning parser: %s (read from the chat template)", name)
     return REASONING_PARSERS[name]
@@ -196,9 +224,13 @@ def choose_reasoning_parser(flag: str | None, tokenizer: Any) -> ReasoningParser
 
 def constraint_refusal(parser: ReasoningParser, param: str) -> str:
     """The 400 message for an output constraint on a request whose answer is split."""
-    return (
+    message = (
         f"{param} constrains the whole answer from its first token, thinking included, and "
         f'this server splits the answer\'s thinking off (reasoning parser "{parser.name}"): '
+    )
+    if parser is HARMONY:  # its channels, markers and all, are the answer: nothing turns off
+        return message + "send no output constraint to this model."
+    return message + (
         "send no output constraint, or turn thinking off for this request with "
         'chat_template_kwargs {"enable_thinking": false} where the chat template reads it '
         "(or start the server with --reasoning-parser none)."

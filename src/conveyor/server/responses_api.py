@@ -94,8 +94,8 @@ async def create_response(
     if plan.reasoning is not None:  # tool calls are read from the answer after its thinking
         thinking, text = plan.reasoning.split(text)
     content, calls = text, []
-    if plan.tools is not None:
-        content, calls, _ = plan.tools.read(text, c.finish_reason)
+    if plan.tools is not None:  # harmony's (markup) reads its channels from the whole answer
+        content, calls, _ = plan.tools.read(c.text if plan.tools.markup else text, c.finish_reason)
     status, details = _status(c)
     response.update(
         status=status,

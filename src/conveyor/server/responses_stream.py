@@ -108,7 +108,7 @@ class ResponseEvents:
     def feed(self, text: str, finish_reason: str | None) -> list[str]:
         """The events of the answer's next `text` (`finish_reason`: the answer is complete)."""
         events: list[str] = []
-        thinking = ""
+        thinking, raw = "", text
         finished = finish_reason is not None
         if self._reasoning is not None:
             thinking, text = self._reasoning.feed(text)
@@ -124,7 +124,7 @@ class ResponseEvents:
                 call = tool_call_dict(ToolCall(str(self._tools.named), ""))
                 events += self._call(0, call if first else None, text)
         elif self._calls is not None:
-            content, calls = self._calls.feed(text)
+            content, calls = self._calls.feed(raw if self._tools.markup else text)
             if finished:
                 rest, more, _ = self._calls.finish(finish_reason)
                 content, calls = content + rest, calls + more

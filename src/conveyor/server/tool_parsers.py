@@ -8,6 +8,9 @@ decides (`detect_tool_format`). A format is a parser, a streaming snapshot and o
                               (or [TOOL_CALLS]name[ARGS]{...}, the newer templates' form)
     generic      any template (server/tool_fallback.py): plain text, or only
                               {"tool_calls": [{"name": ..., "arguments": {...}}]}
+    harmony      gpt-oss:     messages to functions.NAME (server/harmony.py); it reads the
+                              whole answer, channels and all, so its content is never the
+                              text as written
 
 A call's `arguments` are the JSON text the model wrote for them (a JSON string holding an
 object is decoded first), so streamed argument deltas add up to exactly the same text.
@@ -20,6 +23,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from conveyor.server.harmony import CHANNEL, HarmonyReader, read_harmony
 
 
 @dataclass(slots=True)
@@ -382,10 +387,42 @@ def snapshot_generic(text: str) -> Snapshot:
     return "", _partial_sequence(text, start + 1, ",", ("arguments",))
 
 
+# ---------------------------------------------------------------- harmony
+def parse_harmony(text: str) -> Parsed:
+    answer = read_harmony(text)
+    return answer.content or None, [ToolCall(c.name, c.arguments) for c in answer.calls]
+
+
+def snapshot_harmony(text: str) -> Snapshot:
+    return HarmonySnapshots().feed(text)
+
+
+class HarmonySnapshots:
+    """`snapshot_harmony` of a growing answer, read as it grows rather than from its start."""
+
+    def __init__(self) -> None:
+        self._reader = HarmonyReader()
+        self._content = ""
+
+    def feed(self, text: str) -> Snapshot:
+        self._content += self._reader.feed(text)[1]
+        return self._content, [PartialCall(c.name, c.arguments) for c in self._reader.calls]
+
+
 @dataclass(frozen=True, slots=True)
 class ToolFormat:
+    """A format's reading of a whole answer and of one still growing.
+
+    markup: its text is markup, never content as written (harmony): the content is always
+        the parse's, with or without calls.
+    snapshots: makes an object whose `feed(more_text)` is `snapshot` of all the text so far,
+        read incrementally (None: a stream calls `snapshot` on the whole text each time).
+    """
+
     parse: Callable[[str], Parsed]
     snapshot: Callable[[str], Snapshot]
+    markup: bool = False
+    snapshots: Callable[[], HarmonySnapshots] | None = None
 
 
 TOOL_CALL_PARSERS: dict[str, ToolFormat] = {
@@ -393,6 +430,7 @@ TOOL_CALL_PARSERS: dict[str, ToolFormat] = {
     "llama3_json": ToolFormat(parse_llama3_json, snapshot_llama3_json),
     "mistral": ToolFormat(parse_mistral, snapshot_mistral),
     "generic": ToolFormat(parse_generic, snapshot_generic),
+    "harmony": ToolFormat(parse_harmony, snapshot_harmony, True, HarmonySnapshots),
 }
 
 
@@ -402,6 +440,8 @@ def detect_tool_format(template: str | None) -> str:
     SmolLM2's, or renders them some other way)."""
     if not template:
         return "generic"
+    if CHANNEL in template:  # gpt-oss (its template also names "parameters" and tools)
+        return "harmony"
     if _HERMES_OPEN in template:  # Qwen2.5, Qwen3, Hermes 2/3
         return "hermes"
     if _MISTRAL_TAG in template:

@@ -13,7 +13,7 @@ OpenAI's semantics.
 
 `parallel_tool_calls: false` allows at most one call: "required" and the generic, llama3_json
 and mistral formats by the grammar (one item; text or one call), hermes by ending the answer
-at the first `</tool_call>`.
+at the first `</tool_call>`, harmony by its `<|call|>`, a stop token.
 
 Calls come back as `message.tool_calls` (ids `call-...`); finish_reason is "tool_calls" when
 "auto" or "required" produced calls, "stop" for a named function (as vLLM and OpenAI do).
@@ -72,6 +72,12 @@ class ToolSetup:
     def generic(self) -> bool:
         return self.format == "generic"
 
+    @property
+    def markup(self) -> bool:
+        """The format reads the whole answer, channels and all (harmony): it gets the text as
+        generated, not what a reasoning parser left, and its content is never that text."""
+        return TOOL_CALL_PARSERS[self.format].markup and self.mode in ("auto", "none")
+
     def system_prompt(self) -> str | None:
         """The tools' description for a template that cannot render them (None: no need)."""
         if not self.generic or self.mode == "none":
@@ -99,7 +105,7 @@ class ToolSetup:
             return _text_or_call(envelope, "{")
         if self.mode == "required":
             return StructuredOutputsParams(json=self._array("parameters"))
-        if self.parallel or self.format == "hermes":
+        if self.parallel or self.format in ("hermes", "harmony"):
             return None
         if self.format == "llama3_json":
             return _text_or_call(self._one("parameters"), "{<")
@@ -128,6 +134,11 @@ class ToolSetup:
             return snapshot_required(text)
         return TOOL_CALL_PARSERS[self.format].snapshot(text)
 
+    def snapshots(self) -> Any:
+        """An incremental `snapshot` (its `feed(more)` reads all the text so far), or None."""
+        make = TOOL_CALL_PARSERS[self.format].snapshots
+        return make() if make is not None and self.mode != "required" else None
+
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A finished answer's content and calls."""
         if self.mode == "required" and not self.generic:
@@ -144,15 +155,15 @@ class ToolSetup:
         if self.mode == "named":  # its arguments are the whole text, streamed as they come
             return None, [ToolCall(str(self.named), text)], finish_reason
         if self.mode == "none":
-            return text, [], finish_reason
+            return (self.parse(text)[0] if self.markup else text), [], finish_reason
         content, calls = self.parse(text)
         cut_off = finish_reason in _CUT_OFF
-        if not calls and cut_off:
+        if not calls and cut_off and not self.markup:  # harmony's parse has the cut-off call
             content, partial = self.snapshot(text)
             calls = [ToolCall(c.name, c.arguments) for c in _named(partial)]
             content = content.strip() or None
         if not calls:
-            return text, [], finish_reason
+            return (content if self.markup else text), [], finish_reason
         return content, calls, finish_reason if cut_off else "tool_calls"
 
     def read(
@@ -181,22 +192,29 @@ class ToolCallStream:
         self._text = ""
         self._content = 0  # characters of content sent
         self._calls: list[tuple[str, str]] = []  # (name, arguments sent) per call begun
+        self._snapshots = setup.snapshots()
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(content delta, tool-call deltas) after `text` more of the answer."""
         self._text += text
-        content, calls = self._setup.snapshot(self._text)
+        if self._snapshots is not None:
+            content, calls = self._snapshots.feed(text)
+        else:
+            content, calls = self._setup.snapshot(self._text)
         return self._content_delta(content), self._call_deltas(calls)
 
     def finish(self, finish_reason: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
         """The last deltas once the answer is complete, and its finish_reason, read by
         ToolSetup.answer as the whole answer is. A call that turns out malformed in an answer
         that was not cut off, after its first deltas were sent, stays as sent."""
-        _, calls, finish_reason = self._setup.answer(self._text, finish_reason)
+        content, calls, finish_reason = self._setup.answer(self._text, finish_reason)
+        markup = self._setup.markup  # its content may go on after a call, or be held back
         if not calls and not self._calls:
-            return self._content_delta(self._text), [], finish_reason
+            rest = (content or "") if markup else self._text
+            return self._content_delta(rest), [], finish_reason
         partial = [PartialCall(c.name, c.arguments) for c in calls]
-        return "", self._call_deltas(partial), finish_reason
+        rest = self._content_delta(content or "") if markup else ""
+        return rest, self._call_deltas(partial), finish_reason
 
     def _content_delta(self, content: str) -> str:
         if len(content) <= self._content:
