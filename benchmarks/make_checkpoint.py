@@ -21,28 +21,39 @@ import transformers
 SHAPES = {
     "tinyllama": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632),
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128),  # the smoke test's
-}
+    # Qwen3-30B-A3B's width with 8 of its 48 layers, its vocabulary (~11 GB in bfloat16)
+    "qwen3moe-a3b-8l": dict(hidden=2048, layers=8, heads=32, kv_heads=4, ffn=6144,
+                            head_dim=128, experts=128, used=8, expert_ffn=768, vocab=151936),
+}  # fmt: skip
 
 
 def make(shape: str, tokenizer_from: Path, out: Path, dtype: str = "bfloat16") -> Path:
     """Write the checkpoint to `out`; returns `out`."""
     s = SHAPES[shape]
     tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_from))
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok),
+    common = dict(
+        vocab_size=s.get("vocab", len(tok)),
         hidden_size=s["hidden"],
         num_hidden_layers=s["layers"],
         num_attention_heads=s["heads"],
         num_key_value_heads=s["kv_heads"],
         intermediate_size=s["ffn"],
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
+        max_position_embeddings=4096,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         initializer_range=0.02,
     )
+    if "experts" in s:
+        config = transformers.Qwen3MoeConfig(
+            **common, head_dim=s["head_dim"], num_experts=s["experts"],
+            num_experts_per_tok=s["used"], moe_intermediate_size=s["expert_ffn"],
+            norm_topk_prob=True, tie_word_embeddings=False,
+        )  # fmt: skip
+    else:
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
+    # Built in its dtype: a float32 copy first would be twice the size (44 GB for the A3B).
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out

@@ -243,7 +243,8 @@ def test_the_streamed_arguments_come_in_pieces_after_the_name() -> None:
 
 # ---------------------------------------------------------------- which parser
 # A chat template in harmony's format (gpt-oss's, much shortened): tools in the system
-# message, reasoning_effort read, history's thinking and calls rendered back.
+# message, reasoning_effort read, history's thinking (as gpt-oss's, from `thinking`: the
+# server gives a message's reasoning_content that name too) and calls rendered back.
 HARMONY_TEMPLATE = (
     "<|start|>system<|message|>Reasoning: "
     "{{ reasoning_effort if reasoning_effort is defined else 'medium' }}"
@@ -251,8 +252,8 @@ HARMONY_TEMPLATE = (
     "{{ t.function.parameters | tojson }}{% endfor %}{% endif %}<|end|>"
     "{% for m in messages %}"
     "{% if m.role == 'assistant' %}"
-    "{% if m.reasoning_content %}<|start|>assistant<|channel|>analysis<|message|>"
-    "{{ m.reasoning_content }}<|end|>{% endif %}"
+    "{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>"
+    "{{ m.thinking }}<|end|>{% endif %}"
     "{% for c in m.tool_calls or [] %}<|start|>assistant to=functions.{{ c.function.name }}"
     "<|channel|>commentary json<|message|>{{ c.function.arguments | tojson }}<|call|>"
     "{% endfor %}"

@@ -321,6 +321,11 @@ class ChatMessage(OpenAIModel):
         """
         out = self.model_dump(exclude_none=True)
         out.setdefault("content", "")
+        # Templates read an answer's thinking as `reasoning_content` (Qwen3) or `thinking`
+        # (gpt-oss): a client sends back the first (or `reasoning`), so both are given.
+        thought = out.get("reasoning_content", out.get("reasoning"))
+        if self.role == "assistant" and isinstance(thought, str):
+            out.setdefault("thinking", thought)
         calls = out.get("tool_calls")
         if calls == []:  # a plain answer sent back whole (`"tool_calls": []`, as we answer)
             del out["tool_calls"]
