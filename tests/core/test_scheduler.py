@@ -769,6 +769,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pending is None)
     @rule()
     def schedule(self):
+        # With no free block at the step's start the long-prefill share is off (scheduler.py)
+        self.pressed = self.sched.block_manager.num_free_blocks == 0
         out = self.sched.schedule()
         cfg, bm = self.config, self.sched.block_manager
         ids = [r.request_id for r in out.scheduled]
@@ -815,14 +817,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(longs) <= cfg.max_long_partial_prefills
             long_total = sum(n.get(r.request_id, 0) for r in longs)
             assert all(n.get(r.request_id, 0) <= threshold for r in longs)
-            # The share comes from what the running others took before any admission.
-            new = {r.request_id for r in out.admitted} | {r.request_id for r in longs}
-            others = sum(k for rid, k in n.items() if rid not in new)
-            if not out.preempted_request_ids and not others:  # alone: the doubling
-                ramp = min(threshold, max(1, 2 * self.last_long_tokens))
-                assert long_total <= max(len(longs), ramp)
-            if long_total or out.total_num_scheduled_tokens == long_total:
-                self.last_long_tokens = long_total  # (a step sat out keeps the last)
+            if not self.pressed:  # (else in running order, as any request: no share)
+                # The share comes from what the running others took before any admission.
+                new = {r.request_id for r in out.admitted} | {r.request_id for r in longs}
+                others = sum(k for rid, k in n.items() if rid not in new)
+                if not out.preempted_request_ids and not others:  # alone: the doubling
+                    ramp = min(threshold, max(1, 2 * self.last_long_tokens))
+                    assert long_total <= max(len(longs), ramp)
+                if long_total or out.total_num_scheduled_tokens == long_total:
+                    self.last_long_tokens = long_total  # (a step sat out keeps the last)
         if out.total_num_scheduled_tokens < cfg.max_num_batched_tokens:
             # Budget to spare: every running request but a long prefill (which may sit a step
             # out beside others) got some, unless a preemption cut the step short.

@@ -87,7 +87,7 @@ def admit_waiting(
             num_cached = len(hits) * bm.block_size
             n = num_tokens_to_schedule(req, num_cached, budget)
             left = req.num_tokens - num_cached
-            long = rule.is_long(left)
+            long = rule.is_long_waiting(req, left)
             saw_long = saw_long or long
             if long or left - n > 1:  # it would be a prefill in progress after this step
                 if num_partial < 0:

@@ -48,10 +48,17 @@ def is_long_prefill(threshold: int, req: Sequence) -> bool:
     """Whether `req` (running or waiting) is a long prefill under `threshold` (0: none is):
     more than `threshold` tokens left to compute, or a prompt of more than `threshold`
     tokens beyond its prefix-cache hits that is still being computed."""
-    left = req.num_tokens - req.num_computed_tokens
+    return _long(threshold, req, req.num_tokens - req.num_computed_tokens)
+
+
+def _long(threshold: int, req: Sequence, left: int) -> bool:
+    """is_long_prefill with `left` tokens left to compute (a waiting request: after its
+    prefix-cache hits). A request admitted before (a preempted one) counts its first
+    admission's hits, as it did while running."""
     if left <= 1 or threshold <= 0:
         return False
-    return threshold < max(left, req.num_tokens - max(req.num_cached_tokens, 0))
+    uncached = req.num_tokens - req.num_cached_tokens if req.num_cached_tokens >= 0 else left
+    return threshold < max(left, uncached)
 
 
 class LongPrefills:
@@ -103,6 +110,11 @@ class LongPrefills:
     def is_long(self, tokens_left: int) -> bool:
         """Whether a waiting request with `tokens_left` tokens to compute is a long prefill."""
         return 0 < self.threshold < tokens_left
+
+    def is_long_waiting(self, req: Sequence, tokens_left: int) -> bool:
+        """Whether waiting request `req`, with `tokens_left` tokens to compute after its
+        prefix-cache hits, is a long prefill (as `is_long_prefill` will say once it runs)."""
+        return _long(self.threshold, req, tokens_left)
 
     def in_progress(self, req: Sequence) -> bool:
         """Whether running request `req` is a long prefill (`is_long_prefill`)."""

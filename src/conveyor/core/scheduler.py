@@ -190,9 +190,13 @@ class Scheduler:
         # 1. Running requests, in admission order; long prefills after the others, since their
         #    share of the step depends on what the others took.
         longs: list[Sequence] = []
+        # With no free KV block the long-prefill rule is off: a long prefill then holds blocks
+        # that others wait for, and it must finish (in running order, as any) to free them.
+        pressed = self.block_manager.num_free_blocks == 0
         budget, stopped = self._schedule_running(
-            running[:], budget, scheduled, num_scheduled, preempted_ids, longs, None
-        )
+            running[:], budget, scheduled, num_scheduled, preempted_ids,
+            None if pressed else longs, None, rule.threshold if pressed else 0,
+        )  # fmt: skip
         others = self.max_num_batched_tokens - budget
         long_tokens = 0
         waiting_long = False
@@ -241,10 +245,15 @@ class Scheduler:
         )
 
     def _short_request_waits(self) -> bool:
-        """Whether one of the first few waiting requests is not a long prefill (a few: the
-        queue may be long, and a wrong guess only changes one step's share)."""
+        """Whether one of the first few waiting requests is a short one never preempted (a
+        few: the queue may be long, and a wrong guess only changes one step's share). A
+        preempted one waits its turn: going first again, it could retake the blocks the long
+        prefill needs each time and starve it."""
         is_long = self.long_prefills.is_long
-        return any(not is_long(r.num_tokens) for r in itertools.islice(self.waiting, 8))
+        return any(
+            not is_long(r.num_tokens) and not r.num_preemptions
+            for r in itertools.islice(self.waiting, 8)
+        )
 
     def _admit(
         self,
@@ -286,11 +295,13 @@ class Scheduler:
         preempted_ids: list[str],
         longs: list[Sequence] | None,
         cap: int | None,
+        long_cap: int = 0,
     ) -> tuple[int, bool]:
         """Schedule running requests `reqs` in order, each at most `cap` tokens (None: no
         cap), preempting the policy's victims when blocks run out. With `longs`, long
-        prefills are appended there instead. Returns the budget left and whether a request
-        had to preempt itself (nothing was left to take blocks from: the step stops there)."""
+        prefills are appended there instead; with `long_cap`, they are scheduled in place,
+        at most that many tokens. Returns the budget left and whether a request had to
+        preempt itself (nothing was left to take blocks from: the step stops there)."""
         running = self.running
         allocate_slots = self.block_manager.allocate_slots
         threshold = self.long_prefills.threshold if longs is not None else 0
@@ -306,6 +317,8 @@ class Scheduler:
             n = num_tokens_to_schedule(req, computed, budget)
             if cap is not None and n > cap:
                 n = cap
+            if long_cap and n > long_cap and is_long_prefill(long_cap, req):
+                n = long_cap
             if n <= 0:  # Nothing to compute (its sampled token never came back).
                 continue
             while not allocate_slots(req, n):

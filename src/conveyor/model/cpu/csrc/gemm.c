@@ -39,6 +39,8 @@
  * reads a group of four panels as one stream.
  * benchmarks/linear_bf16.py measures each path against oneDNN and torch (docs/benchmarks.md).
  */
+#include <stdlib.h>
+
 #include "gemm_panels.h"
 #include "kernels.h"
 
@@ -60,6 +62,22 @@
     _Pragma("omp parallel num_threads(num_threads) if (worth_a_team(m, n, k))")                \
     team(x, ldx, m, packed, n, k, bias, out, ldo, group)
 #define ON_THE_CALLERS(team) team(x, ldx, m, packed, n, k, bias, out, ldo, PANEL_GROUP)
+
+/* The calling thread's buffer for x packed for the micro-kernels (or rounded to pairs, in
+ * gemm_avx512bf16.c); here, in no instruction set's file, as gemm_team.h calls it from each, grown as needed and kept (NULL when it cannot grow: the callers then
+ * pack per micro-kernel call, on the stack). */
+static _Thread_local void *pack_buf;
+static _Thread_local size_t pack_cap;
+
+void *gemm_pack_buffer(size_t bytes)
+{
+    if (bytes > pack_cap) {
+        void *grown = realloc(pack_buf, bytes);
+        if (!grown) return 0;
+        pack_buf = grown, pack_cap = bytes;
+    }
+    return pack_buf;
+}
 
 CONVEYOR_EXPORT void gemm_f32_f32(GEMM_OPERANDS(float), int num_threads)
 {

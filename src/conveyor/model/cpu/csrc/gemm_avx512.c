@@ -15,22 +15,6 @@
 
 #include "gemm_panels.h"
 
-/* The calling thread's buffer for x packed for the micro-kernels (or rounded to pairs, in
- * gemm_avx512bf16.c), grown as needed and kept (NULL when it cannot grow: the callers then
- * pack per micro-kernel call, on the stack). */
-static _Thread_local void *pack_buf;
-static _Thread_local size_t pack_cap;
-
-void *gemm_pack_buffer(size_t bytes)
-{
-    if (bytes > pack_cap) {
-        void *grown = realloc(pack_buf, bytes);
-        if (!grown) return 0;
-        pack_buf = grown, pack_cap = bytes;
-    }
-    return pack_buf;
-}
-
 /* Rows [0, mb) of x (k columns) packed by blocks of xs rows (MR, or a few rows' count; out
  * holds mb rounded up to xs rows), block b at out + b xs k and its row r's column kk at
  * [kk xs + r]: the values a micro-kernel broadcasts for one k sit in one cache line, wherever
