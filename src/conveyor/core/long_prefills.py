@@ -107,10 +107,6 @@ class LongPrefills:
         self.gaps: deque[float] = deque(maxlen=self.HOLD_SAMPLES)
         self.others_end: float | None = None  # when the others last ended, until an arrival
 
-    def is_long(self, tokens_left: int) -> bool:
-        """Whether a waiting request with `tokens_left` tokens to compute is a long prefill."""
-        return 0 < self.threshold < tokens_left
-
     def is_long_waiting(self, req: Sequence, tokens_left: int) -> bool:
         """Whether waiting request `req`, with `tokens_left` tokens to compute after its
         prefix-cache hits, is a long prefill (as `is_long_prefill` will say once it runs)."""

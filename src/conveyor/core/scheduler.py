@@ -151,7 +151,7 @@ class Scheduler:
             return 0.0
         if not all(map(rule.in_progress, self.running)):
             return 0.0
-        if not all(rule.is_long(r.num_tokens) for r in self.waiting):
+        if not all(rule.is_long_waiting(r, r.num_tokens) for r in self.waiting):
             return 0.0
         hold = rule.hold_s(self.clock())
         if hold:  # the wait is no part of the previous step's time (LongPrefills.observe)
@@ -249,9 +249,9 @@ class Scheduler:
         few: the queue may be long, and a wrong guess only changes one step's share). A
         preempted one waits its turn: going first again, it could retake the blocks the long
         prefill needs each time and starve it."""
-        is_long = self.long_prefills.is_long
+        is_long = self.long_prefills.is_long_waiting
         return any(
-            not is_long(r.num_tokens) and not r.num_preemptions
+            not is_long(r, r.num_tokens) and not r.num_preemptions
             for r in itertools.islice(self.waiting, 8)
         )
 
