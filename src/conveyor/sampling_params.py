@@ -14,6 +14,7 @@ from conveyor.pooling_params import PoolingParams
 from conveyor.structured_params import StructuredOutputsParams
 from conveyor.validation import check_int, check_number
 
+MAX_TENANT_CHARS = 256
 # Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
 # Stop strings are checked in the shared engine step, for every new token of the request, so
@@ -71,7 +72,9 @@ class SamplingParams:
     Scheduling fields (read by core/policies, never by the sampler): `priority` (lower runs
     first under the `priority` scheduler), `deadline` (seconds from arrival; a request still
     unfinished then ends with finish_reason "abort" and an `abort_reason`), `length_hint`
-    (expected output tokens, used instead of `max_tokens` by the SJF-family schedulers).
+    (expected output tokens, used instead of `max_tokens` by the SJF-family schedulers),
+    `tenant` (whose request it is: requests of different tenants share each step's time,
+    core/tenant_shares.py; the server sets it to the client, `LLM.generate` takes `tenant=`).
 
     `structured_outputs` constrains the output to a JSON schema, a regex, a choice or a
     grammar (a StructuredOutputsParams, or a dict of its fields); the request then stops with
@@ -126,6 +129,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    tenant: str = ""
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -178,6 +182,11 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         check_int("priority", self.priority, lo=-(2**31), hi=2**31 - 1)
+        if not isinstance(self.tenant, str) or len(self.tenant) > MAX_TENANT_CHARS:
+            raise ValueError(
+                f"tenant must be a string of at most {MAX_TENANT_CHARS} characters, "
+                f"got {self.tenant!r:.80}."
+            )
         if self.deadline is not None:
             check_number(
                 "deadline",

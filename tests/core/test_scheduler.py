@@ -670,7 +670,8 @@ def cdiv(a: int, b: int) -> int:
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / schedule / update / abort / clock ticks against a small cache, under every
-    registered policy (and an adversarial one), with priorities, deadlines and length hints."""
+    registered policy (and an adversarial one), with priorities, deadlines, length hints and
+    three tenants."""
 
     @initialize(
         block_size=st.sampled_from([8, 16]),
@@ -743,12 +744,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         deadline=st.none() | st.floats(0.5, 8.0),
         length_hint=st.none() | st.integers(1, 12),
         fork=st.integers(0, 64),
+        tenant=st.sampled_from(["", "a", "b"]),
     )
-    def add_request(self, prompt_len, max_tokens, eos, priority, deadline, length_hint, fork):
+    def add_request(
+        self, prompt_len, max_tokens, eos, priority, deadline, length_hint, fork, tenant
+    ):
         prompt_len = min(prompt_len, self.capacity)
         max_tokens = min(max_tokens, self.capacity - prompt_len + 1)  # the cache can hold it
         params = SamplingParams(
-            max_tokens=max_tokens, priority=priority, deadline=deadline, length_hint=length_hint
+            max_tokens=max_tokens,
+            priority=priority,
+            deadline=deadline,
+            length_hint=length_hint,
+            tenant=tenant,
         )
         # Prompts share prefixes (so the prefix cache hits) and differ after `fork` tokens.
         req = Sequence(
@@ -829,12 +837,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         if out.total_num_scheduled_tokens < cfg.max_num_batched_tokens:
             # Budget to spare: every running request but a long prefill (which may sit a step
             # out beside others) got some, unless a preemption cut the step short.
+            # A tenant's request may sit a step out beside other tenants' work
+            # (core/tenant_shares.py), never all of that tenant's requests.
+            served = {r.tenant for r in running if r.request_id in n}
             starved = [
                 r.request_id
                 for r in running
                 if left[r.request_id] > 0
                 and r.request_id not in n
                 and not is_long_prefill(threshold, r)
+                and r.tenant not in served
             ]
             assert out.preempted_request_ids or not starved, (left, n)
 

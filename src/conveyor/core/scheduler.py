@@ -46,6 +46,7 @@ from conveyor.core.long_prefills import LongPrefills, is_long_prefill
 from conveyor.core.policies import make_policy
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceStatus
+from conveyor.core.tenant_shares import TenantShares
 from conveyor.core.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:  # annotations only: core/ does not import engine/ at run time
@@ -85,6 +86,7 @@ class Scheduler:
             config.max_num_partial_prefills,
             config.max_long_partial_prefills,
         )
+        self.tenant_shares = TenantShares()
         # The previous step's start, tokens and long-prefill tokens, to time it for the long
         # prefills' share (LongPrefills.observe) when the next step follows it back to back
         # (0 tokens: the engine may have idled in between).
@@ -177,7 +179,10 @@ class Scheduler:
         now = self.clock()
         rule = self.long_prefills
         if self._step_tokens:
-            rule.observe(self._step_tokens - self._step_long, self._step_long, now - self._step_at)
+            seconds = now - self._step_at
+            rule.observe(self._step_tokens - self._step_long, self._step_long, seconds)
+            if not self._step_long:
+                self.tenant_shares.cost.observe(self._step_tokens, seconds)
         if self._deadlines and self._deadlines[0][0] <= now:
             self._expire_deadlines(now)
 
@@ -193,10 +198,13 @@ class Scheduler:
         # With no free KV block the long-prefill rule is off: a long prefill then holds blocks
         # that others wait for, and it must finish (in running order, as any) to free them.
         pressed = self.block_manager.num_free_blocks == 0
+        order, allow = self._tenant_order(pressed)
         budget, stopped = self._schedule_running(
-            running[:], budget, scheduled, num_scheduled, preempted_ids,
-            None if pressed else longs, None, rule.threshold if pressed else 0,
+            order, budget, scheduled, num_scheduled, preempted_ids,
+            None if pressed else longs, None, rule.threshold if pressed else 0, allow,
         )  # fmt: skip
+        if allow is not None:  # back in running order (tenants were taken in rotation)
+            scheduled[:] = [r for r in running if r.request_id in num_scheduled]
         others = self.max_num_batched_tokens - budget
         long_tokens = 0
         waiting_long = False
@@ -207,7 +215,7 @@ class Scheduler:
         if joining:
             budget, long_tokens, waiting_long = self._admit(
                 budget, scheduled, num_scheduled, admitted, preempted_ids,
-                num_policy_preemptions, now, 0,
+                num_policy_preemptions, now, 0, allow,
             )  # fmt: skip
             others = self.max_num_batched_tokens - budget
         share = rule.share(others) if rule.threshold and (longs or self.waiting) else 0
@@ -224,7 +232,7 @@ class Scheduler:
         if not joining:
             budget, admitted_long, waiting_long = self._admit(
                 budget, scheduled, num_scheduled, admitted, preempted_ids,
-                num_policy_preemptions, now, share - long_tokens,
+                num_policy_preemptions, now, share - long_tokens, allow,
             )  # fmt: skip
             long_tokens += admitted_long
         total = self.max_num_batched_tokens - budget
@@ -243,6 +251,30 @@ class Scheduler:
             finished_request_ids=finished_ids,
             admitted=admitted,
         )
+
+    def _tenant_order(self, pressed: bool) -> tuple[list[Sequence], dict[str, int] | None]:
+        """The running requests in the order the step takes them, and what each tenant may
+        take (core/tenant_shares.py; None: no limit). Long prefills are not counted (they
+        have their own share) unless `pressed` (no free block: the long rule is off)."""
+        running, shares = self.running, self.tenant_shares
+        threshold = 0 if pressed else self.long_prefills.threshold
+        work = [
+            (r, r.num_tokens - r.num_computed_tokens)
+            for r in running
+            if not (threshold and is_long_prefill(threshold, r))
+        ]
+        seats = len(running) < self.max_num_seqs and self.block_manager.num_free_blocks > 0
+        waiting = itertools.islice(self.waiting, shares.WAITING_LOOKED_AT) if seats else ()
+        allow = shares.allowances(shares.demands(work, waiting))
+        if allow is None:
+            return running[:], None
+        by_tenant: dict[str, list[Sequence]] = {}
+        for r in running:
+            by_tenant.setdefault(r.tenant, []).append(r)
+        order: list[Sequence] = []
+        for tenant, reqs in by_tenant.items():
+            order += shares.rotate(tenant, reqs, allow.get(tenant, len(reqs)))
+        return order, allow
 
     def _short_request_waits(self) -> bool:
         """Whether one of the first few waiting requests is a short one never preempted (a
@@ -265,6 +297,7 @@ class Scheduler:
         num_policy_preemptions: int,
         now: float,
         long_share: int,
+        allow: dict[str, int] | None,
     ) -> tuple[int, int, bool]:
         """Admits waiting requests into the step (admission.admit_waiting), unless blocks
         ran short this step (admitting more would only be preempted again next step).
@@ -283,8 +316,9 @@ class Scheduler:
         if num_policy_preemptions:  # a long prompt the policy preempted for is admitted
             long_share = max(long_share, 1)
         return admit_waiting(
-            self, budget, scheduled, num_scheduled, admitted, now, set(preempted_ids), long_share
-        )
+            self, budget, scheduled, num_scheduled, admitted, now, set(preempted_ids), long_share,
+            allow,
+        )  # fmt: skip
 
     def _schedule_running(
         self,
@@ -296,12 +330,15 @@ class Scheduler:
         longs: list[Sequence] | None,
         cap: int | None,
         long_cap: int = 0,
+        allow: dict[str, int] | None = None,
     ) -> tuple[int, bool]:
         """Schedule running requests `reqs` in order, each at most `cap` tokens (None: no
         cap), preempting the policy's victims when blocks run out. With `longs`, long
         prefills are appended there instead; with `long_cap`, they are scheduled in place,
-        at most that many tokens. Returns the budget left and whether a request had to
-        preempt itself (nothing was left to take blocks from: the step stops there)."""
+        at most that many tokens; with `allow`, a tenant's requests take at most its tokens
+        left there (those of a tenant not in it are not limited). Returns the budget left and
+        whether a request had to preempt itself (nothing was left to take blocks from: the
+        step stops there)."""
         running = self.running
         allocate_slots = self.block_manager.allocate_slots
         threshold = self.long_prefills.threshold if longs is not None else 0
@@ -321,6 +358,12 @@ class Scheduler:
                 n = long_cap
             if n <= 0:  # Nothing to compute (its sampled token never came back).
                 continue
+            left = None if allow is None else allow.get(req.tenant)
+            if left is not None:
+                if left <= 0:
+                    continue
+                n = min(n, left)
+                allow[req.tenant] = left - n  # type: ignore[index]
             while not allocate_slots(req, n):
                 victim = self.policy.select_victim(running)
                 vi = len(running) - 1 if running[-1] is victim else running.index(victim)

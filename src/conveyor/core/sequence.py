@@ -155,6 +155,10 @@ class Sequence:
         return self.sampling_params.priority
 
     @property
+    def tenant(self) -> str:
+        return self.sampling_params.tenant
+
+    @property
     def expected_output_tokens(self) -> int:
         """Output length the scheduler plans with: `length_hint` if given, else `max_tokens`."""
         hint = self.sampling_params.length_hint

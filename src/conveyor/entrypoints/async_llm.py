@@ -31,6 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from conveyor.config import EngineConfig
@@ -288,6 +289,7 @@ class AsyncLLM:
         *,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request now and return its stream of delta outputs.
 
@@ -304,6 +306,8 @@ class AsyncLLM:
             arrival_time: when the request arrived (time.monotonic(); default now): its
                 deadline and latency metrics count from then (the server's own work on it,
                 such as checking its output constraint, included).
+            tenant: whose request it is (None: `params.tenant`); tenants share each step's
+                time (core/tenant_shares.py).
         Returns:
             An async iterator of RequestOutput deltas; it raises RequestFailedError if the
             engine failed the request, EngineNotRunningError if the engine stopped.
@@ -324,6 +328,8 @@ class AsyncLLM:
             ids = list(prompt_token_ids or self.tokenizer.encode(prompt))
         else:
             ids = list(prompt)
+        if tenant is not None and tenant != params.tenant:
+            params = replace(params, tenant=tenant)
         self.limits.check(ids, params)
         if self.before_add is not None:
             self.before_add(request_id, ids, params)

@@ -76,6 +76,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tenant: str | Sequence[str] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of `prompts`.
 
@@ -85,6 +86,9 @@ class LLM:
                 SamplingParams.cache_salt), or a list of any of these.
             sampling_params: one for every prompt, or a list with one per prompt.
             use_tqdm: show a progress bar.
+            tenant: whose requests these are, one for all or one per prompt (None: each
+                SamplingParams' `tenant`); tenants share each step's time
+                (core/tenant_shares.py).
         Raises:
             ValueError: a malformed prompt or a prompt that can never run. Nothing is queued
                 unless every prompt is valid.
@@ -92,6 +96,8 @@ class LLM:
         prompt_list, salts = _normalize_prompts(prompts)
         if any(salt is not None for salt in salts):
             sampling_params = _with_salts(sampling_params, salts)
+        if tenant is not None:
+            sampling_params = _with_tenants(sampling_params, tenant, len(prompt_list))
         return self._generate(prompt_list, self._token_ids(prompt_list), sampling_params, use_tqdm)
 
     def _token_ids(self, prompt_list: list[str | list[int]]) -> list[list[int]]:
@@ -264,6 +270,17 @@ def _with_salts(
     params = _one_per_prompt(sampling_params, SamplingParams, len(salts), "sampling_params")
     pairs = zip(params, salts, strict=True)
     return [p if s is None else dataclasses.replace(p, cache_salt=s) for p, s in pairs]
+
+
+def _with_tenants(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    tenant: str | Sequence[str],
+    num_prompts: int,
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt, each with its prompt's tenant."""
+    params = _one_per_prompt(sampling_params, SamplingParams, num_prompts, "sampling_params")
+    tenants = _one_per_prompt(tenant, str, num_prompts, "tenant")
+    return [dataclasses.replace(p, tenant=t) for p, t in zip(params, tenants, strict=True)]
 
 
 def _normalize_one(p: Any) -> str | list[int]:

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.sampling_params import MAX_LOGPROBS, SamplingParams
 from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_flags
-from conveyor.server.clients import request_arrival
+from conveyor.server.clients import current_client, request_arrival
 from conveyor.server.constraints import (
     DeadlinePassedError,
     checked_structured_outputs,
@@ -81,7 +81,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.admit(params.n)
     request_id = random_id("chatcmpl")
     stream = relabeled(
-        ctx.engine.generate(prompt_ids, params, request_id, arrival_time=request_arrival()),
+        ctx.engine.generate(
+            prompt_ids, params, request_id, arrival_time=request_arrival(), tenant=current_client()
+        ),
         plan.param,
     )
     if req.stream:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.server.choice_stream import ChunkEvents, stream_choices, usage_flags
-from conveyor.server.clients import request_arrival
+from conveyor.server.clients import current_client, request_arrival
 from conveyor.server.constraints import (
     DeadlinePassedError,
     checked_structured_outputs,
@@ -86,7 +86,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Resp
     streams = [
         relabeled(
             engine.generate(
-                p, params, f"{request_id}-{i}", prompt_token_ids=ids, arrival_time=request_arrival()
+                p,
+                params,
+                f"{request_id}-{i}",
+                prompt_token_ids=ids,
+                arrival_time=request_arrival(),
+                tenant=current_client(),
             ),
             param,
         )

@@ -28,7 +28,7 @@ from pydantic import ConfigDict, Field
 from conveyor.engine.outputs import RequestOutput
 from conveyor.pooling_params import PoolingParams
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.clients import request_arrival
+from conveyor.server.clients import current_client, request_arrival
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
 from conveyor.server.offload import off_loop
@@ -145,7 +145,13 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest) -> Respon
     engine.check_admission(len(inputs))
     request_id = random_id("embd")
     streams: list[AsyncIterator[RequestOutput]] = [
-        engine.generate(ids, params, f"{request_id}-{i}", arrival_time=request_arrival())
+        engine.generate(
+            ids,
+            params,
+            f"{request_id}-{i}",
+            arrival_time=request_arrival(),
+            tenant=current_client(),
+        )
         for i, ids in enumerate(prompt_ids)
     ]
     vectors: list[list[float] | None] = [None] * len(streams)

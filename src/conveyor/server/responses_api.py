@@ -33,7 +33,7 @@ from fastapi.responses import Response
 
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.chat import ChatPlan, prepare_chat, whole_output
-from conveyor.server.clients import request_arrival
+from conveyor.server.clients import current_client, request_arrival
 from conveyor.server.constraints import relabeled
 from conveyor.server.context import ServingContext
 from conveyor.server.errors import APIError
@@ -81,7 +81,11 @@ async def create_response(
     param = CHAT_TO_RESPONSES.get(plan.param or "", plan.param)
     stream = relabeled(
         ctx.engine.generate(
-            plan.prompt_ids, plan.params, response_id, arrival_time=request_arrival()
+            plan.prompt_ids,
+            plan.params,
+            response_id,
+            arrival_time=request_arrival(),
+            tenant=current_client(),
         ),
         param,
     )
