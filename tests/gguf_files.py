@@ -28,7 +28,8 @@ from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
 
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-         "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}  # fmt: skip
+         "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+         "olmoe": "olmoe"}  # fmt: skip
 LAYER_PARTS = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",

@@ -79,6 +79,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             intermediate_size=64,
         ),
     ),
+    # olmoe: q/k norms over the whole projection, softmax-then-top-k without renormalizing
+    # (norm_topk_prob False, its default), every layer sparse.
+    "olmoe": (
+        "OlmoeConfig",
+        dict(
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+        ),
+    ),
     # gpt-oss: attention sinks, a window of 8 in layer 0 (layer 1 full), YaRN, the router's
     # top-k softmax, the experts' biases and clamped SwiGLU, stacked experts in the file.
     "gpt-oss": (

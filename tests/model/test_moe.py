@@ -1,7 +1,8 @@
 """Mixtures of experts (model/models/moe.py): routing as transformers routes, only the chosen
 experts run, which layers are sparse, and bf16 close to transformers' bf16. Greedy float32
-parity is in tests/model/test_parity.py (its qwen3-moe, qwen2-moe and mixtral checkpoints), the
-tensor-parallel split in tests/parallel/test_tensor_parallel.py."""
+parity is in tests/model/test_parity.py (its qwen3-moe, qwen2-moe, mixtral and olmoe
+checkpoints), the tensor-parallel split in tests/parallel/test_tensor_parallel.py, OLMoE's own
+attention and config in tests/model/test_olmoe.py."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
         ModelConfig.from_hf_config(hf)
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen2-moe", "mixtral", "olmoe"])
 def test_bfloat16_mixture_of_experts_is_close_to_transformers_bf16(
     family, tmp_path, tiny_tokenizer_dir
 ):
@@ -102,7 +103,7 @@ def test_bfloat16_mixture_of_experts_is_close_to_transformers_bf16(
     assert diverged <= len(prompts) // 2, diverged
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3-moe", "qwen2-moe", "mixtral", "olmoe"])
 def moe_gguf(request, tmp_path_factory, tiny_tokenizer_dir):
     from gguf import GGMLQuantizationType as QType
     from tests.gguf_files import write_gguf

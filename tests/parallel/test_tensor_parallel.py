@@ -30,10 +30,11 @@ NUM_PROMPTS = 8
 # llama: GQA 4/2 heads, own lm_head; qwen2: qkv bias, tied embeddings; qwen3: q/k norm, tied,
 # and one KV head for two ranks (replicated); qwen2-moe: each expert's and the shared
 # expert's intermediate dimension split, the router replicated; mixtral: its w1/w2/w3 names;
-# gpt-oss: its sinks split by query heads, its stacked experts split once made per-expert.
+# gpt-oss: its sinks split by query heads, its stacked experts split once made per-expert;
+# olmoe: its q/k norms over the whole projection split by heads, their mean square all-reduced.
 CASES = {
     "llama": {}, "qwen2": {}, "qwen3": {"num_key_value_heads": 1}, "qwen2-moe": {},
-    "mixtral": {}, "gpt-oss": {},
+    "mixtral": {}, "gpt-oss": {}, "olmoe": {},
 }  # fmt: skip
 
 

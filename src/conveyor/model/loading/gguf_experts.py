@@ -8,7 +8,8 @@
     {arch}.expert_shared_feed_forward_length  shared_expert_intermediate_size
     {arch}.expert_weights_norm                norm_topk_prob (absent: as llama.cpp does for
                                               the architecture: qwen3moe and llama
-                                              (Mixtral) renormalize, qwen2moe does not)
+                                              (Mixtral) renormalize, qwen2moe and olmoe
+                                              do not)
     layers with ffn_gate, no ffn_gate_exps    mlp_only_layers (dense layers)
     blk.N.ffn_{gate,up,down}_exps [E, rows, cols]   model.layers.N.mlp.experts.{e}.
                                                     {gate,up,down}_proj.weight [rows, cols]
@@ -33,7 +34,7 @@ from conveyor.model.loading.gguf_metadata import describe
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                   "ffn_down_exps": "down_proj"}  # fmt: skip
 # llama.cpp's routing where the file does not say (its graph builders' choice).
-_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "llama": True}
+_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "llama": True, "olmoe": False}
 MAX_EXPERTS = 1 << 12
 
 

@@ -52,10 +52,15 @@ def resolve_model_class(hf_config: dict[str, Any]) -> type[LlamaForCausalLM]:
 
 
 def model_config(hf_config: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of a checkpoint's config dict, read with its family's config names
-    (ValueError for an unsupported architecture or config)."""
+    """The ModelConfig of a checkpoint's config dict, read with its family's config names and
+    defaults, and checked by the family (ValueError for an unsupported architecture or
+    config)."""
     cls = resolve_model_class(hf_config)
-    return ModelConfig.from_hf_config(hf_config, cls.SPEC.config_names)
+    spec = cls.SPEC
+    config = ModelConfig.from_hf_config({**spec.config_defaults, **hf_config}, spec.config_names)
+    if spec.check_config is not None:
+        spec.check_config(config)
+    return config
 
 
 def cpu_has_native_bf16() -> bool:

@@ -53,8 +53,12 @@ from conveyor.model.distributed.sharding import Shard
 from conveyor.model.loading.assign_weights import assign_weights
 from conveyor.model.loading.checkpoint import find_gguf_file
 from conveyor.model.loading.gguf_loader import iter_gguf_tensors, open_gguf, release_gguf
-from conveyor.model.loading.hf_config import read_hf_config, resolve_dtype, resolve_model_class
-from conveyor.model.loading.model_config import ModelConfig
+from conveyor.model.loading.hf_config import (
+    model_config,
+    read_hf_config,
+    resolve_dtype,
+    resolve_model_class,
+)
 from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_tensors
 from conveyor.model.models.layers import use_kernels
 from conveyor.model.models.llama import LlamaForCausalLM
@@ -167,7 +171,7 @@ def build_model(
     """The model of the checkpoint at `path` (its config: `hf_config`), every layer on
     `backend`, in eval mode on `device` and `dtype` (load_model says the rest)."""
     cls = resolve_model_class(hf_config)
-    config = ModelConfig.from_hf_config(hf_config, cls.SPEC.config_names)
+    config = model_config(hf_config)
     gguf_file = find_gguf_file(path)
     shard = None if tp is None else Shard.of(config, tp.rank, tp.size, cls.SPEC.tp_splits)
     if gguf_file is not None and shard is not None:

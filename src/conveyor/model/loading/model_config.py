@@ -45,6 +45,8 @@ class ModelConfig:
     # gpt-oss's experts: (up + 1) * gate * sigmoid(alpha * gate), gate and up clamped to limit.
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the q/k norms (None: no clamp).
+    clip_qkv: float | None = None
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer`'s MLP is a mixture of experts."""
@@ -136,6 +138,7 @@ class ModelConfig:
             layer_windows=windows,
             swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702),
             swiglu_limit=float(hf.get("swiglu_limit") or 7.0),
+            clip_qkv=None if hf.get("clip_qkv") is None else float(hf["clip_qkv"]),
             **_experts(hf),
         )
 

@@ -1,6 +1,6 @@
 """The decoder families (llama.py: Llama, Mistral, Qwen2, Qwen3; the mixtures of experts
-qwen3_moe.py, qwen2_moe.py, mixtral.py and gpt_oss.py, on moe.py), their layers and what each
-declares (spec.py).
+qwen3_moe.py, qwen2_moe.py, mixtral.py, gpt_oss.py and olmoe.py, on moe.py), their layers and
+what each declares (spec.py).
 
 `FAMILIES` is the one registry: hf_config.py's MODEL_REGISTRY (config.json architectures) and
 the GGUF reader's GGUF_ARCHITECTURES are read from each class's `SPEC`. A new family is its
@@ -14,6 +14,7 @@ from conveyor.model.models.llama import (
     Qwen3ForCausalLM,
 )
 from conveyor.model.models.mixtral import MixtralForCausalLM
+from conveyor.model.models.olmoe import OlmoeForCausalLM
 from conveyor.model.models.qwen2_moe import Qwen2MoeForCausalLM
 from conveyor.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -26,4 +27,5 @@ FAMILIES: tuple[type[LlamaForCausalLM], ...] = (
     Qwen2MoeForCausalLM,
     MixtralForCausalLM,
     GptOssForCausalLM,
+    OlmoeForCausalLM,
 )

@@ -6,6 +6,12 @@ and the GGUF reader (each family's class holds one `FamilySpec` as `SPEC`). Pure
                        MODEL_REGISTRY                   it serves (its own first)
     config_names       loading/model_config.py          ModelConfig fields its config.json
                                                         names differently
+    config_defaults    loading/hf_config.py             config.json values its transformers
+                       model_config                     config class gives keys a file leaves
+                                                        out, where ModelConfig's differ
+    check_config       loading/hf_config.py             refuses, in one line, a ModelConfig
+                       model_config                     the family cannot run as transformers
+                                                        does (before anything loads)
     packed_modules     loading/loader.py                checkpoint weights fused into one
                                                         module (HF leaf -> (ours, index))
     renames            loading/loader.py                checkpoint module names that are
@@ -97,6 +103,11 @@ class FamilySpec:
     # (checkpoint name, tensor) -> the [(name, tensor)] it stands for, or None to keep it
     # as it is; applied before `renames` (gpt-oss's [E, ...] expert stacks: each expert's).
     unstack: Callable[[str, Any], list[tuple[str, Any]] | None] | None = None
+    # config.json key -> the value transformers' config class gives it when the file leaves
+    # it out (OLMoE's rms_norm_eps is 1e-5, ModelConfig's 1e-6).
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # ModelConfig -> None, or ValueError (one line) for a config the family does not run.
+    check_config: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tp_splits.values()) - set(SPLITS))
