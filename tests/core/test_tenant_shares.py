@@ -41,15 +41,17 @@ def test_the_step_cost_fit_finds_the_fixed_part_and_the_cost_of_a_token():
 
 def test_the_lightest_tenant_gets_all_it_has_and_the_others_split_the_rest():
     shares = TenantShares()
-    assert shares.allowances({"a": 16}) is None  # one tenant: no limit
-    # Unknown step costs: the others get half the lightest's tokens, at least one each.
-    assert shares.allowances({"a": 16, "b": 1}) == {"b": 1, "a": 1}
-    assert shares.allowances({"a": 16, "b": 40}) == {"a": 16, "b": 8}
+    assert shares.allowances({"a": 16}, {"a": 16}) is None  # one tenant: no limit
+    # Unknown step costs: the others' decode rows are half the lightest's tokens, at least one.
+    assert shares.allowances({"a": 16, "b": 1}, {"a": 16, "b": 1}) == {"a": 1}
+    assert shares.allowances({"a": 16, "b": 40}, {"a": 16}) == {}  # b, prefilling, is lightest
+    assert shares.allowances({"a": 16, "b": 41}, {"a": 16, "b": 1}) == {"b": 1}
     for tokens in [1, 17, 2, 16, 3, 9] * 4:  # a step's fixed part costs 10 tokens
         shares.cost.observe(tokens, 0.010 + 0.001 * tokens)
-    # others: 0.5 x (10 + 2) = 6 tokens, split evenly; one needing less leaves it to the rest
-    assert shares.allowances({"a": 16, "b": 2, "c": 30}) == {"b": 2, "a": 3, "c": 3}
-    assert shares.allowances({"a": 1, "b": 2, "c": 30}) == {"a": 1, "b": 2, "c": 3}
+    # others: 0.5 x (10 + 2) = 6 rows, split evenly; one needing fewer leaves it to the rest
+    tokens = {"a": 16, "b": 2, "c": 30}
+    assert shares.allowances(tokens, {"a": 16, "b": 2, "c": 30}) == {"a": 3, "c": 3}
+    assert shares.allowances(tokens, {"a": 1, "b": 2, "c": 30}) == {"a": 1, "c": 5}
 
 
 def test_a_steady_request_beside_another_tenants_sixteen_samples_keeps_its_steps_short():
@@ -99,6 +101,20 @@ def test_the_share_holds_for_a_client_that_comes_back_and_then_lets_go():
     after = [clock.step(sched).total_num_scheduled_tokens for _ in range(4)]
     assert after[: TenantShares.GRACE_STEPS] == [1] * TenantShares.GRACE_STEPS
     assert after[TenantShares.GRACE_STEPS :] == [16, 16]  # then the attacker has it all
+
+
+def test_another_tenants_prompt_is_not_held_back():
+    # A new client's prompt runs whole beside 16 other clients' decodes (its first token is
+    # not delayed); only decode rows are shared out.
+    clock = CostClock()
+    clock.BASE_S, clock.PER_TOKEN_S = 0.002, 0.002
+    sched = scheduler(clock)
+    for i in range(16):
+        sched.add_request(request(f"s{i}", f"client{i}"))
+    clock.step(sched)
+    assert clock.step(sched).total_num_scheduled_tokens == 16  # one row each
+    sched.add_request(request("new", "new", prompt=200))
+    assert clock.step(sched).num_scheduled_tokens["new"] == 200
 
 
 def test_one_tenant_is_never_limited():

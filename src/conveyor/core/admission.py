@@ -44,13 +44,10 @@ def admit_waiting(
     now: float,
     skip: set[str],
     long_share: int,
-    allow: dict[str, int] | None = None,
 ) -> tuple[int, int, bool]:
     """Admit waiting requests in policy order, except `skip` ids, appending them to
     `scheduled` and `admitted`. A long prefill takes at most `long_share` tokens and is
-    passed over while the long (or partial) prefills in progress are at their limits. With
-    `allow` (core/tenant_shares.py), a tenant's requests take at most its tokens left there,
-    and are passed over once it has none.
+    passed over while the long (or partial) prefills in progress are at their limits.
     Returns the budget left, the tokens long prefills took and whether a long one was
     admitted or passed over."""
     running = sched.running
@@ -92,12 +89,6 @@ def admit_waiting(
             left = req.num_tokens - num_cached
             long = rule.is_long_waiting(req, left)
             saw_long = saw_long or long
-            mine = None if allow is None or long else allow.get(req.tenant)
-            if mine is not None:
-                if mine <= 0:
-                    passed += 1
-                    continue
-                n = min(n, mine)
             if long or left - n > 1:  # it would be a prefill in progress after this step
                 if num_partial < 0:
                     num_partial = sum(
@@ -126,8 +117,6 @@ def admit_waiting(
             scheduled.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
-            if mine is not None:
-                allow[req.tenant] = mine - n  # type: ignore[index]
             if left - n > 1:
                 num_partial += 1
             if long:

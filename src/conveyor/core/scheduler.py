@@ -215,7 +215,7 @@ class Scheduler:
         if joining:
             budget, long_tokens, waiting_long = self._admit(
                 budget, scheduled, num_scheduled, admitted, preempted_ids,
-                num_policy_preemptions, now, 0, allow,
+                num_policy_preemptions, now, 0,
             )  # fmt: skip
             others = self.max_num_batched_tokens - budget
         share = rule.share(others) if rule.threshold and (longs or self.waiting) else 0
@@ -232,7 +232,7 @@ class Scheduler:
         if not joining:
             budget, admitted_long, waiting_long = self._admit(
                 budget, scheduled, num_scheduled, admitted, preempted_ids,
-                num_policy_preemptions, now, share - long_tokens, allow,
+                num_policy_preemptions, now, share - long_tokens,
             )  # fmt: skip
             long_tokens += admitted_long
         total = self.max_num_batched_tokens - budget
@@ -253,8 +253,8 @@ class Scheduler:
         )
 
     def _tenant_order(self, pressed: bool) -> tuple[list[Sequence], dict[str, int] | None]:
-        """The running requests in the order the step takes them, and what each tenant may
-        take (core/tenant_shares.py; None: no limit). Long prefills are not counted (they
+        """The running requests in the order the step takes them, and the decode rows each
+        tenant may take (core/tenant_shares.py; None: no limit). Long prefills are not counted (they
         have their own share) unless `pressed` (no free block: the long rule is off)."""
         running, shares = self.running, self.tenant_shares
         threshold = 0 if pressed else self.long_prefills.threshold
@@ -265,7 +265,7 @@ class Scheduler:
         ]
         seats = len(running) < self.max_num_seqs and self.block_manager.num_free_blocks > 0
         waiting = itertools.islice(self.waiting, shares.WAITING_LOOKED_AT) if seats else ()
-        allow = shares.allowances(shares.demands(work, waiting))
+        allow = shares.allowances(*shares.demands(work, waiting))
         if allow is None:
             return running[:], None
         by_tenant: dict[str, list[Sequence]] = {}
@@ -297,7 +297,6 @@ class Scheduler:
         num_policy_preemptions: int,
         now: float,
         long_share: int,
-        allow: dict[str, int] | None,
     ) -> tuple[int, int, bool]:
         """Admits waiting requests into the step (admission.admit_waiting), unless blocks
         ran short this step (admitting more would only be preempted again next step).
@@ -316,9 +315,8 @@ class Scheduler:
         if num_policy_preemptions:  # a long prompt the policy preempted for is admitted
             long_share = max(long_share, 1)
         return admit_waiting(
-            self, budget, scheduled, num_scheduled, admitted, now, set(preempted_ids), long_share,
-            allow,
-        )  # fmt: skip
+            self, budget, scheduled, num_scheduled, admitted, now, set(preempted_ids), long_share
+        )
 
     def _schedule_running(
         self,
@@ -335,7 +333,7 @@ class Scheduler:
         """Schedule running requests `reqs` in order, each at most `cap` tokens (None: no
         cap), preempting the policy's victims when blocks run out. With `longs`, long
         prefills are appended there instead; with `long_cap`, they are scheduled in place,
-        at most that many tokens; with `allow`, a tenant's requests take at most its tokens
+        at most that many tokens; with `allow`, a tenant's decode rows are at most its rows
         left there (those of a tenant not in it are not limited). Returns the budget left and
         whether a request had to preempt itself (nothing was left to take blocks from: the
         step stops there)."""
@@ -359,11 +357,10 @@ class Scheduler:
             if n <= 0:  # Nothing to compute (its sampled token never came back).
                 continue
             left = None if allow is None else allow.get(req.tenant)
-            if left is not None:
+            if left is not None and computed >= req.num_prompt_tokens:  # a decode row
                 if left <= 0:
                     continue
-                n = min(n, left)
-                allow[req.tenant] = left - n  # type: ignore[index]
+                allow[req.tenant] = left - 1  # type: ignore[index]
             while not allocate_slots(req, n):
                 victim = self.policy.select_victim(running)
                 vi = len(running) - 1 if running[-1] is victim else running.index(victim)

@@ -1,25 +1,30 @@
 """The tenant rule of the scheduler (`TenantShares`): tenants share each step's time.
 
 Rows in one step share its time. Where a row costs about as much as the step's fixed part (a
-small model on a CPU, compute-bound from a few rows), one tenant running 16 samples makes
+small model on a CPU, compute-bound from a few rows), one tenant decoding 16 samples makes
 every step of another tenant's single request many times longer. So while requests of two
-or more tenants (`SamplingParams.tenant`) have work, each step is sized for the lightest one:
+or more tenants (`SamplingParams.tenant`) have work, each step is sized for the lightest one
+(the fewest tokens this step, prompt tokens included):
 
-    the lightest tenant          all the tokens it has this step (d)
-    the other tenants, together  the tokens that take about SHARE of the time a step of d
-                                 tokens takes alone, split evenly among them (one that needs
-                                 less leaves the rest to the others), at least one token each
+    the lightest tenant        all it has
+    each other tenant's        the decode rows that take about SHARE of the time a step of
+    decode rows, together      the lightest's tokens takes alone, split evenly among them
+                               (one needing fewer leaves the rest to the others), at least
+                               one each, its requests taking their turns in rotation
+    prompt tokens              as without tenants: a short prompt whole, a long one by the
+                               long-prefill rule (core/long_prefills.py), so a new client's
+                               first token is not held back
 
 With a step's time fitted as `fixed + per_token * tokens` over recent steps (`StepCost`), the
-others get `SHARE * (fixed / per_token + d)` tokens: many on a GPU or a memory-bound model
-(where a row costs next to nothing), few where rows are dear. Until the fit is known they
-get `SHARE * d`. A tenant's requests take their turns in rotation, so each of them advances.
+others get `SHARE * (fixed / per_token + d)` rows for the lightest's d tokens: many on a GPU
+or a memory-bound model (where a row costs next to nothing), few where rows are dear. Until
+the fit is known they get `SHARE * d`.
 
 A client sending one request after another leaves a short gap between them; a tenant whose
-work just ended stays in the share for GRACE_STEPS steps (as if it had one token), so its
-next request does not arrive during a step sized for the others alone. Long prefills are
-not counted here: core/long_prefills.py gives them their own share. With one tenant (every
-request of an `LLM`, a server without keys serving one address) nothing changes.
+running requests just ended stays in the share for GRACE_STEPS steps (as if it had one
+token), so its next request does not arrive during a step sized for the others alone. With
+one tenant (every request of an `LLM` unless `tenant=` says otherwise, a server's one client)
+nothing changes.
 """
 
 from __future__ import annotations
@@ -83,53 +88,56 @@ class TenantShares:
 
     def demands(
         self, running: Iterable[tuple[Sequence, int]], waiting: Iterable[Sequence]
-    ) -> dict[str, int]:
-        """Tokens each tenant has this step: running requests' `(request, tokens)` and the
-        `waiting` requests' prompts (those that could be admitted now); a tenant whose running
-        requests ended in the last GRACE_STEPS steps counts one token."""
-        demand: dict[str, int] = {}
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Each tenant's tokens and decode rows this step, from the running requests'
+        `(request, tokens left)` and the `waiting` requests that could be admitted now; a
+        tenant whose running requests ended in the last GRACE_STEPS steps counts one token."""
+        tokens: dict[str, int] = {}
+        rows: dict[str, int] = {}
         for req, n in running:
             if n > 0:
                 t = req.tenant
-                demand[t] = demand.get(t, 0) + n
+                tokens[t] = tokens.get(t, 0) + n
+                if req.num_computed_tokens >= req.num_prompt_tokens:
+                    rows[t] = rows.get(t, 0) + 1
         grace = self._grace
         for t in list(grace):
-            if t not in demand:
-                left = grace.pop(t)
-                if left > 0:
-                    demand[t] = 1
-                    grace[t] = left - 1
-            else:
+            if t in tokens:
                 grace[t] = self.GRACE_STEPS
-        for t in demand:
+                continue
+            left = grace.pop(t)
+            if left > 0:
+                tokens[t] = 1
+                grace[t] = left - 1
+        for t in tokens:
             grace.setdefault(t, self.GRACE_STEPS)
         for req in waiting:
             t = req.tenant
-            demand[t] = demand.get(t, 0) + max(1, req.num_tokens - req.num_computed_tokens)
-        if len(demand) < 2:
+            tokens[t] = tokens.get(t, 0) + max(1, req.num_tokens - req.num_computed_tokens)
+        if len(tokens) < 2:
             self._turn.clear()
-        return demand
+        return tokens, rows
 
-    def allowances(self, demand: dict[str, int]) -> dict[str, int] | None:
-        """Tokens each tenant may take this step (None: one tenant, no limit)."""
-        if len(demand) < 2:
+    def allowances(self, tokens: dict[str, int], rows: dict[str, int]) -> dict[str, int] | None:
+        """The decode rows each tenant but the lightest may take this step (None: one tenant,
+        no limit), from `demands`."""
+        if len(tokens) < 2:
             return None
-        order = sorted(demand, key=demand.__getitem__)
-        lightest = demand[order[0]]
+        lightest = min(tokens, key=tokens.__getitem__)
         fit = self.cost.fit()
         ratio = 0.0 if fit is None else fit[0] / fit[1]  # the fixed part, in tokens
-        rest = self.SHARE * (ratio + lightest)
-        allow = {order[0]: lightest}
-        others = order[1:]
+        rest = self.SHARE * (ratio + tokens[lightest])
+        others = sorted((t for t in rows if t != lightest), key=rows.__getitem__)
+        allow: dict[str, int] = {}
         for i, t in enumerate(others):
-            give = max(1, min(demand[t], int(rest / (len(others) - i))))
+            give = max(1, min(rows[t], int(rest / (len(others) - i))))
             allow[t] = give
             rest = max(0.0, rest - give)
         return allow
 
     def rotate(self, tenant: str, reqs: list[Sequence], allowance: int) -> list[Sequence]:
         """`reqs` (one tenant's running requests, in running order) from where its rotation
-        stands, which then moves on by about `allowance` requests."""
+        stands, which then moves on by `allowance` requests."""
         if not reqs:
             return reqs
         start = self._turn.get(tenant, 0) % len(reqs)
