@@ -832,8 +832,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if not out.preempted_request_ids and not others:  # alone: the doubling
                     ramp = min(threshold, max(1, 2 * self.last_long_tokens))
                     assert long_total <= max(len(longs), ramp)
-                if long_total or out.total_num_scheduled_tokens == long_total:
-                    self.last_long_tokens = long_total  # (a step sat out keeps the last)
+            else:  # the rule counts only the long prompts admitted (the running ones ran in
+                # place, as any request)
+                admitted = {r.request_id for r in out.admitted}
+                long_total = sum(n.get(r.request_id, 0) for r in longs if r.request_id in admitted)
+            if long_total or out.total_num_scheduled_tokens == long_total:
+                self.last_long_tokens = long_total  # (a step sat out keeps the last)
         if out.total_num_scheduled_tokens < cfg.max_num_batched_tokens:
             # Budget to spare: every running request but a long prefill (which may sit a step
             # out beside others) got some, unless a preemption cut the step short.
