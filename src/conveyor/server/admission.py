@@ -21,20 +21,18 @@ of a batch) is aborted, as is anything of an HTTP request that ends with work st
 from __future__ import annotations
 
 import contextvars
-import hashlib
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from conveyor.server.clients import client_of
+from conveyor.server.clients import current_client
 from conveyor.server.errors import APIError, error_body
 
 if TYPE_CHECKING:
     from conveyor.entrypoints.async_llm import AsyncLLM
     from conveyor.sampling_params import SamplingParams
     from conveyor.server.config import ServerConfig
-    from conveyor.server.tenancy import TenantSalt
 
 _RETRY_AFTER_S = 1
 
@@ -110,26 +108,16 @@ class ClientLimits:
         self,
         max_sequences: int | None,
         max_tokens: int | None,
-        tenant_header: bytes | None,
         max_model_len: int,
     ) -> None:
         self.max_sequences = max_sequences
         self.max_tokens = max_tokens
-        self._tenant_header = tenant_header
         self._max_model_len = max_model_len
         self.in_flight: dict[str, list[int]] = {}  # client -> [sequences, tokens]
 
     @property
     def enabled(self) -> bool:
         return self.max_sequences is not None or self.max_tokens is not None
-
-    def client(self, scope: dict[str, Any]) -> str:
-        """Who sent a request: its tenant header if that names the tenant, else
-        server/clients.py's client (its API key, else its address); keys only hashed."""
-        if self._tenant_header is None:
-            return client_of(scope)
-        values = [v for k, v in scope.get("headers") or () if k == self._tenant_header]
-        return "tenant:" + hashlib.sha256(b"\x00".join(values)).hexdigest()[:32]
 
     def charge(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """AsyncLLM's `before_add`: count one engine request against its HTTP request's
@@ -198,7 +186,7 @@ class ClientLimitMiddleware:
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        charge = _Charge(self.limits.client(scope))
+        charge = _Charge(current_client())
         token = _CURRENT.set(charge)
 
         async def send_with_retry_after(message: dict[str, Any]) -> None:
@@ -220,20 +208,12 @@ class ClientLimitMiddleware:
                 self.engine.abort_open(charge.request_ids)
 
 
-def install_client_limits(
-    app: Any,
-    engine: AsyncLLM,
-    config: ServerConfig,
-    api_keys: list[str],
-    tenancy: TenantSalt | None,
-) -> ClientLimits | None:
+def install_client_limits(app: Any, engine: AsyncLLM, config: ServerConfig) -> ClientLimits | None:
     """Count each client's work in flight against config's max_client_sequences and
-    max_client_tokens (neither set: nothing to do). Call before ClientIdentity is added."""
-    header = None
-    if tenancy is not None and not tenancy.from_api_key and not api_keys:
-        header = tenancy.header
+    max_client_tokens (neither set: nothing to do). Call before ClientIdentity is added (it
+    says whose request it is)."""
     limits = ClientLimits(
-        config.max_client_sequences, config.max_client_tokens, header, engine.max_model_len
+        config.max_client_sequences, config.max_client_tokens, engine.max_model_len
     )
     if not limits.enabled:
         return None

@@ -261,8 +261,12 @@ def build_app(
         )
         app.add_middleware(_APIKeyMiddleware, api_keys=api_keys, open_paths=open_paths)
     # Sequences and tokens in flight per client (max_client_sequences / _tokens).
-    install_client_limits(app, engine, config, api_keys, tenancy)
-    app.add_middleware(ClientIdentity)  # per-client limits know whose request it is
+    install_client_limits(app, engine, config)
+    # Whose request it is: per-client limits, grammar checks and the scheduler's tenants.
+    tenant_header = None
+    if tenancy is not None and not tenancy.from_api_key and not api_keys:
+        tenant_header = tenancy.header
+    app.add_middleware(ClientIdentity, tenant_header=tenant_header)
     # Added last, so outermost: an oversized body is refused before anything else runs.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     return app

@@ -1,5 +1,7 @@
-"""Who a request comes from, for limits that are per client (its API key, else its address),
-and when it came (its deadline and latency count from then, not from when the engine got it).
+"""Who a request comes from, for limits that are per client and the scheduler's tenants (its
+tenant header where `--cache-salt-from header:NAME` names one and there are no API keys, else
+its API key, else its address), and when it came (its deadline and latency count from then,
+not from when the engine got it).
 
 `ClientIdentity` (ASGI middleware) sets `current_client()` and `request_arrival()` for the
 request's whole handling, so code deep in a request's path (server/constraints.py's grammar
@@ -31,8 +33,12 @@ def request_arrival() -> float | None:
     return _ARRIVAL.get()
 
 
-def client_of(scope: dict[str, Any]) -> str:
-    """ "key:<hash>" for a request with a bearer key, else "addr:<host>"."""
+def client_of(scope: dict[str, Any], tenant_header: bytes | None = None) -> str:
+    """ "tenant:<hash>" of the `tenant_header` values when one is given, else "key:<hash>"
+    for a request with a bearer key, else "addr:<host>"."""
+    if tenant_header is not None:
+        values = [v for k, v in scope.get("headers") or () if k == tenant_header]
+        return "tenant:" + hashlib.sha256(b"\x00".join(values)).hexdigest()[:32]
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             key = bearer_credentials(value)
@@ -46,14 +52,15 @@ class ClientIdentity:
     """ASGI middleware: `current_client()` and `request_arrival()` are the request's while it
     is handled."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, tenant_header: bytes | None = None) -> None:
         self.app = app
+        self.tenant_header = tenant_header
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        token = _CLIENT.set(client_of(scope))
+        token = _CLIENT.set(client_of(scope, self.tenant_header))
         arrival = _ARRIVAL.set(time.monotonic())
         try:
             await self.app(scope, receive, send)
