@@ -1,7 +1,8 @@
-/* Q8_0, Q4_0 and Q4_1 (quant_layout.h) against 8-bit activation blocks, AVX2: one activation
- * row at a time, each half of the group (eight rows) in a 256-bit register, the integer dot
- * by maddubs + madd (Q8_0's signed weights through the sign trick |w| x sign(qx, w)), or
- * 256-bit dpbusd where the build has AVX-512 VNNI. The same sums as quant_x8_avx512.c.
+/* Q8_0, Q4_0, Q4_1 and MXFP4 (quant_layout.h) against 8-bit activation blocks, AVX2: one
+ * activation row at a time, each half of the group (eight rows) in a 256-bit register, the
+ * integer dot by maddubs + madd (Q8_0's and MXFP4's signed weights through the sign trick
+ * |w| x sign(qx, w); MXFP4's nibbles become their values by one byte shuffle), or 256-bit
+ * dpbusd where the build has AVX-512 VNNI. The same sums as quant_x8_avx512.c.
  */
 #include "kernels.h"
 
@@ -21,6 +22,17 @@ block_isums(int qtype, const uint8_t *q, const int8_t *qx)
             const __m256i w = _mm256_xor_si256(v, _mm256_set1_epi8(-128)); /* signed again */
             /* unsigned |w| times qx carrying w's sign */
             isum = dot_acc(isum, _mm256_sign_epi8(w, w), _mm256_sign_epi8(quad(qx, g), w));
+        }
+    } else if (qtype == MXFP4) {
+        const __m256i nib = _mm256_set1_epi8(15);
+        const __m256i table = _mm256_broadcastsi128_si256(mxfp4_table(0));
+        for (int g = 0; g < 4; g++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 4 * QG * g));
+            const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, nib));
+            const __m256i hi =
+                _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+            isum = dot_acc(isum, _mm256_sign_epi8(lo, lo), _mm256_sign_epi8(quad(qx, g), lo));
+            isum = dot_acc(isum, _mm256_sign_epi8(hi, hi), _mm256_sign_epi8(quad(qx, 4 + g), hi));
         }
     } else {
         const __m256i nib = _mm256_set1_epi8(15);
@@ -44,7 +56,7 @@ half_dot(const int qtype, const uint8_t *w, int hf, int64_t nb, const q8a_block 
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * bytes, *q = p + head + 32 * hf;
-        const __m256 d = halves8(p + 16 * hf);
+        const __m256 d = qtype == MXFP4 ? e8m0_halves8(p + 8 * hf) : halves8(p + 16 * hf);
         float s = x[b].s;
         acc0 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[b].d)),
                                _mm256_cvtepi32_ps(block_isums(qtype, q, x[b].q)), acc0);

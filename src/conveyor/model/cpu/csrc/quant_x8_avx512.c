@@ -1,10 +1,12 @@
-/* Q8_0, Q4_0 and Q4_1 (quant_layout.h) against 8-bit activation blocks, AVX-512BW: a tile of
+/* Q8_0, Q4_0, Q4_1 and MXFP4 (quant_layout.h) against 8-bit activation blocks, AVX-512BW: a tile of
  * up to QT activation rows (both passes) takes each 64-byte load of quants, unpacked once,
  * into every row's sums (dpbusd with AVX-512 VNNI, maddubs + madd without); per row the
  * integer sums and the float operations, in order, are those of the row alone (its result
  * does not depend on the tile). Per block and row the arithmetic is quant_linear.c's (its
  * header): d dx sum(q qx), minus 8 d s (Q4_0) or plus m s (Q4_1), with the second activation
- * pass added the same way. quant_x8_avx2.c and quant_x8_generic.c give the same sums.
+ * pass added the same way. MXFP4's nibbles become their values by one byte shuffle per load
+ * (with VNNI the values + 128, unsigned, the sums started from -128 sum(qx) as Q8_0's).
+ * quant_x8_avx2.c and quant_x8_generic.c give the same sums.
  */
 #include "kernels.h"
 
@@ -31,7 +33,7 @@ tile_x16(const int qtype, const int T, const uint8_t *w, int64_t nb, const q8a_b
         __m512i s[QT], s2[QT];
         for (int t = 0; t < T; t++) {
 #ifdef __AVX512VNNI__
-            if (qtype == Q8_0) { /* from -128 sum(qx): the weights' + 128 */
+            if (qtype == Q8_0 || qtype == MXFP4) { /* from -128 sum(qx): the weights' + 128 */
                 s[t] = _mm512_set1_epi32(xsum[2 * (t * ldx + b)]);
                 if (x2) s2[t] = _mm512_set1_epi32(xsum2[2 * (t * ldx + b)]);
                 continue;
@@ -67,6 +69,52 @@ tile_x16(const int qtype, const int T, const uint8_t *w, int64_t nb, const q8a_b
                 }
 #endif
             }
+        } else if (qtype == MXFP4) {
+#ifdef __AVX512VNNI__
+            const __m512i table = _mm512_broadcast_i32x4(mxfp4_table(1));
+#else
+            const __m512i table = _mm512_broadcast_i32x4(mxfp4_table(0));
+#endif
+#pragma GCC unroll 8
+            for (int g = 0; g < 4; g++) {
+                const __m512i v = _mm512_loadu_si512(q + 4 * QG * g);
+                prefetch_slot(p, bytes, g, 4);
+                const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, nib));
+                const __m512i hi = _mm512_shuffle_epi8(
+                    table, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+#ifdef __AVX512VNNI__
+                for (int t = 0; t < T; t++) {
+                    const int8_t *xq = x[t * ldx + b].q;
+                    s[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[t], lo, bcast4(xq + 4 * g)),
+                                               hi, bcast4(xq + 16 + 4 * g));
+                    if (x2) {
+                        const int8_t *yq = x2[t * ldx + b].q;
+                        s2[t] = _mm512_dpbusd_epi32(
+                            _mm512_dpbusd_epi32(s2[t], lo, bcast4(yq + 4 * g)), hi,
+                            bcast4(yq + 16 + 4 * g));
+                    }
+                }
+#else
+                /* signed values: |w| times qx carrying w's sign, as Q8_0's */
+                const __m512i lo_abs = _mm512_abs_epi8(lo), hi_abs = _mm512_abs_epi8(hi);
+                const __mmask64 lo_neg = _mm512_movepi8_mask(lo), hi_neg = _mm512_movepi8_mask(hi);
+                const __m512i zero = _mm512_setzero_si512();
+                for (int t = 0; t < T; t++) {
+                    const int8_t *xq = x[t * ldx + b].q;
+                    const __m512i xl = bcast4(xq + 4 * g), xh = bcast4(xq + 16 + 4 * g);
+                    s[t] = dot_acc512(
+                        dot_acc512(s[t], lo_abs, _mm512_mask_sub_epi8(xl, lo_neg, zero, xl)),
+                        hi_abs, _mm512_mask_sub_epi8(xh, hi_neg, zero, xh));
+                    if (x2) {
+                        const int8_t *yq = x2[t * ldx + b].q;
+                        const __m512i yl = bcast4(yq + 4 * g), yh = bcast4(yq + 16 + 4 * g);
+                        s2[t] = dot_acc512(
+                            dot_acc512(s2[t], lo_abs, _mm512_mask_sub_epi8(yl, lo_neg, zero, yl)),
+                            hi_abs, _mm512_mask_sub_epi8(yh, hi_neg, zero, yh));
+                    }
+                }
+#endif
+            }
         } else {
 #pragma GCC unroll 8
             for (int g = 0; g < 4; g++) {
@@ -86,7 +134,7 @@ tile_x16(const int qtype, const int T, const uint8_t *w, int64_t nb, const q8a_b
                 }
             }
         }
-        const __m512 d = halves16(p);
+        const __m512 d = qtype == MXFP4 ? e8m0_halves16(p) : halves16(p);
         const __m512 m = qtype == Q4_1 ? halves16(p + 2 * QG) : d;
         for (int t = 0; t < T; t++) {
             const q8a_block *xb = x + t * ldx + b;
