@@ -106,6 +106,23 @@ class QuantTensor:
         return torch.from_numpy(np.array(values, np.float32, copy=True).reshape(self.shape))
 
 
+@dataclass(frozen=True)
+class QuantExperts:
+    """A stack of experts' weights in GGUF blocks (an HF MXFP4 checkpoint's, repacked at load:
+    loading/mxfp4.py), each expert's [rows, cols] weight in nn.Linear's orientation; the
+    family's unstack cuts it into QuantTensors (`expert`)."""
+
+    qtype: str
+    data: torch.Tensor  # uint8 [experts, rows, row bytes]
+    shape: tuple[int, int, int]  # (experts, rows, cols) in weights
+
+    def expert(self, e: int, rows: slice = slice(None)) -> QuantTensor:
+        """Expert e's weight, or the rows `rows` of it (gpt-oss's interleaved gate and up),
+        as a QuantTensor of its own bytes."""
+        data = self.data[e, rows].contiguous()
+        return QuantTensor(self.qtype, data, (data.shape[0], self.shape[2]))
+
+
 def _side(fields: np.ndarray, width: int) -> np.ndarray:
     """[groups, GROUP rows, blocks, F * width] -> [groups, blocks, F * GROUP * width]: each
     of the F fields (of `width` bytes) of the group's rows side by side."""
