@@ -90,9 +90,10 @@ typedef void (*quant_panel_fn)(const uint8_t *w, int64_t k, uint16_t *panel);
 
 /* The activation sums a type's dot product starts its integer sums from (xsum: int32
  * [passes][m][k / 32][2], gemm_gguf_q8a fills them): Q6_K -32 times each half-block's sum of
- * 16 quants (its q - 32 offset), Q8_0 and MXFP4 -128 times the block's sum of 32 (their
- * weights are stored or looked up + 128, unsigned for dpbusd) and 0. */
-enum { XSUM_NONE, XSUM_Q8_0, XSUM_Q6_K };
+ * 16 quants (its q - 32 offset), Q8_0 -128 times the block's sum of 32 (its weights are
+ * stored + 128, unsigned for dpbusd) and 0, MXFP4 -12 times it and 0 (its values looked up
+ * + 12, unsigned for dpbusd and maddubs). */
+enum { XSUM_NONE, XSUM_Q8_0, XSUM_Q6_K, XSUM_MXFP4 };
 
 /* One GGUF type the kernels keep quantized: quant_types.c's table, the one place a type id
  * leads to its code. */

@@ -48,7 +48,8 @@
 
 #include "kernels.h"
 
-/* The activation sums kernels.h describes (XSUM_Q6_K or XSUM_Q8_0) of block x, at s[0..2). */
+/* The activation sums kernels.h describes (XSUM_Q6_K, XSUM_Q8_0 or XSUM_MXFP4) of block x, at
+ * s[0..2). */
 static inline void block_xsum(int kind, const q8a_block *x, int32_t *s)
 {
     int32_t lo = 0, hi = 0;
@@ -57,7 +58,7 @@ static inline void block_xsum(int kind, const q8a_block *x, int32_t *s)
         s[0] = -32 * lo;
         s[1] = -32 * hi;
     } else {
-        s[0] = -128 * (lo + hi);
+        s[0] = (kind == XSUM_MXFP4 ? -12 : -128) * (lo + hi);
         s[1] = 0;
     }
 }

@@ -102,12 +102,14 @@ static inline __m256 e8m0_halves8(const uint8_t *p)
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, is_tiny));
 }
 
-/* MXFP4's values as the byte table of a nibble lookup (shuffle_epi8), in each 128-bit lane;
- * plus 128 (unsigned, for dpbusd) where asked. */
-static inline __m128i mxfp4_table(int plus_128)
+/* MXFP4's values plus MXFP4_OFFSET (0 .. 24: unsigned, as dpbusd and maddubs take weights,
+ * and small enough that maddubs never saturates) as the byte table of a nibble lookup
+ * (shuffle_epi8) in each 128-bit lane; the dot products' sums start from -12 sum(qx)
+ * (XSUM_MXFP4) to take the offset off. */
+#define MXFP4_OFFSET 12
+static inline __m128i mxfp4_table(void)
 {
-    const __m128i values = _mm_setr_epi8(MXFP4_VALUES);
-    return plus_128 ? _mm_xor_si128(values, _mm_set1_epi8(-128)) : values;
+    return _mm_add_epi8(_mm_setr_epi8(MXFP4_VALUES), _mm_set1_epi8(MXFP4_OFFSET));
 }
 
 /* Activation quants 4 g .. 4 g + 3 in every lane (the AVX2 paths). */
