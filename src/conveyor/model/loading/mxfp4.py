@@ -55,19 +55,26 @@ def is_mxfp4(hf_config: dict[str, Any]) -> bool:
 
 def to_gguf_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """HF's groups (uint8 blocks [..., G, 16], scales [..., G]) as GGUF MXFP4 blocks, uint8
-    [..., G * 17]: the same values, the nibbles reordered."""
-    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2)  # [..., G, 32] in order
-    packed = codes[..., :16] | (codes[..., 16:] << 4)
-    return torch.cat([scales.unsqueeze(-1), packed], dim=-1).flatten(-2)
+    [..., G * 17]: the same values, the nibbles reordered. GGUF's byte j holds codes j and
+    16 + j, which are in HF's bytes j / 2 and 8 + j / 2, each the nibble of j's parity."""
+    out = torch.empty(*blocks.shape[:-1], 17, dtype=torch.uint8)
+    first, second = blocks[..., :8], blocks[..., 8:]  # codes 0 .. 15, 16 .. 31
+    out[..., 0] = scales
+    out[..., 1::2] = (first & 15) | (second << 4)  # even j: the low nibbles
+    out[..., 2::2] = (first >> 4) | (second & 0xF0)  # odd j: the high ones
+    return out.flatten(-2)
+
+
+# Each byte of HF's blocks as its two values in order (low nibble first).
+_PAIRS = torch.tensor(FP4_VALUES)[torch.stack([torch.arange(256) & 15, torch.arange(256) >> 4], 1)]
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """HF's groups (uint8 blocks [..., G, 16], scales [..., G]) as weights [..., G * 32] in
     `dtype`: FP4_VALUES[code] * 2^(scale - 127), rounded once (exact in bf16 and float32)."""
-    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2).long()
-    values = torch.tensor(FP4_VALUES, dtype=torch.float32)[codes]
-    exponent = scales.to(torch.int32).unsqueeze(-1) - 127
-    return torch.ldexp(values, exponent).to(dtype).flatten(-2)
+    values = _PAIRS[blocks.long()].flatten(-2)  # [..., G, 32] float32
+    scale = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - 127)
+    return (values * scale.unsqueeze(-1)).to(dtype).flatten(-2)
 
 
 def _check_pair(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
