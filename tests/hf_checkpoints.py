@@ -7,6 +7,7 @@ can detokenize; the vocabulary is its size.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -207,13 +208,18 @@ def agree_until_a_near_tie(
 
 
 def bf16_reference(
-    path: Path, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool = False
+    path: Path,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    ignore_eos: bool = False,
+    **load: Any,
 ) -> list[Any]:
     """transformers' greedy runs of the checkpoint at `path` in bfloat16, as RequestOutputs
-    whose logprobs hold each step's top-5 ids (for check_logprobs_close)."""
+    whose logprobs hold each step's top-5 ids (for check_logprobs_close). `load`: more
+    from_pretrained arguments (an MXFP4 checkpoint's quantization_config)."""
     from conveyor.engine.outputs import CompletionOutput, RequestOutput
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **load)
     refs = greedy_reference(hf, prompts, max_tokens, with_scores=True, ignore_eos=ignore_eos)
     outs = []
     for i, (tokens, scores) in enumerate(refs):
@@ -251,4 +257,53 @@ def write_chain_model(tok: Any, chain: list[int], path: Path) -> Path:
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(path)
     tok.save_pretrained(path)
+    return path
+
+
+# The E2M1 value of each 4-bit code, as MXFP4 stores them (loading/mxfp4.py).
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
+                     -4.0, -6.0])  # fmt: skip
+# openai/gpt-oss-20b's quantization_config (config.json).
+MXFP4_CONFIG = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}  # fmt: skip
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., cols] (cols a multiple of 32) in HF's MXFP4 layout: uint8 blocks [..., cols / 32,
+    16] (weight 2i of a group in byte i's low nibble, 2i + 1 in its high one) and E8M0 scales
+    [..., cols / 32]: the smallest power of two that puts the group's largest |w| within 6,
+    each weight the nearest E2M1 value of w / scale."""
+    groups = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1).clamp_min(2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.ldexp(torch.ones_like(exponent), exponent.int()).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - _FP4).abs().argmin(-1).to(torch.uint8)  # [..., G, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4_checkpoint(
+    path: Path, tokenizer_dir: Path, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Path:
+    """A random gpt-oss checkpoint (write_checkpoint's) as the released ones are: each layer's
+    expert stacks `mlp.experts.{gate_up_proj,down_proj}` replaced by their MXFP4 `_blocks` and
+    `_scales` (mxfp4_quantize, in nn.Linear's [E, out, in] orientation) and config.json's
+    quantization_config; every other tensor in `dtype`. transformers reads it with
+    Mxfp4Config(dequantize=True)."""
+    from safetensors.torch import load_file, save_file
+
+    write_checkpoint(path, "gpt-oss", tokenizer_dir, dtype=dtype, **overrides)
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stack = tensors.pop(name).float().transpose(1, 2)  # [E, in, out] -> [E, out, in]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4_quantize(stack)
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = MXFP4_CONFIG
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -127,6 +127,33 @@ def test_quantized_blocks_with_a_scale_that_is_not_finite_are_refused(hf_dir, tm
         LLM(str(file), num_kv_blocks=16)
 
 
+@pytest.mark.parametrize(
+    ("scale", "codes", "what"),
+    [(0xFF, 0x00, r"the E8M0 NaN \(0xFF\)"), (254, 0x70, r"the scale 2\^127, which takes")],
+)
+def test_mxfp4_blocks_with_a_scale_that_is_not_finite_are_refused(
+    hf_dir, tmp_path, scale, codes, what
+):
+    """An E8M0 scale byte of 0xFF (its NaN), or one that takes a value of its block past
+    float32's range (6 x 2^127: code 7 in a high nibble); 2^127 with codes of 0 and 0.5 only
+    would be finite, and loads."""
+    file = write_gguf(hf_dir, tmp_path / "q.gguf", QType.MXFP4)
+    data = bytearray(file.read_bytes())
+    tensor = next(t for t in GGUFFile(file).tensors if t.name == "blk.0.attn_q.weight")
+    at = tensor.offset + 17 * 5  # MXFP4: 17 bytes a block, its scale first; rows of 2 blocks
+    data[at : at + 17] = bytes([scale]) + bytes([codes] * 16)
+    file.write_bytes(bytes(data))
+    with pytest.raises(
+        ValueError,
+        match=rf"tensor blk\.0\.attn_q\.weight \(MXFP4\) has a block holding {what}.* \(row 2, "
+        r"block 1\)",
+    ):
+        LLM(str(file), num_kv_blocks=16)
+    data[at : at + 17] = bytes([254]) + bytes([0x10] * 16)  # 0 and 0.5 x 2^127: finite
+    file.write_bytes(bytes(data))
+    LLM(str(file), num_kv_blocks=16, linear_backend="torch")
+
+
 def test_a_safetensors_weight_with_nan_is_refused(tiny_tokenizer_dir, tmp_path):
     folder = write_checkpoint(tmp_path / "hf", "llama", tiny_tokenizer_dir, dtype=torch.bfloat16)
     weights = load_file(folder / "model.safetensors")
@@ -155,7 +182,7 @@ def test_serve_with_a_bad_file_exits_non_zero_with_one_line_and_no_traceback(
 
 def test_every_gguf_type_conveyor_loads_has_its_values_or_scales_checked() -> None:
     floats = {"F32", "F16", "BF16"}
-    assert set(GGUF_TYPES) <= floats | set(BLOCK_SCALES)
+    assert set(GGUF_TYPES) <= floats | set(BLOCK_SCALES) | {"MXFP4"}  # (its E8M0 scales)
     for name, (size, offsets) in BLOCK_SCALES.items():
         assert GGML_QUANT_SIZES[QType[name]][1] == size, name  # the block's bytes
         assert all(0 <= o <= size - 2 for o in offsets), name

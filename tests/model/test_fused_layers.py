@@ -28,6 +28,8 @@ CASES = {
     # Q6_K: the activation sums besides the blocks, with the default two passes
     "llama-q6_k": ("llama", WIDE, QType.Q6_K, {}),
     "qwen2-q8_0-one-pass": ("qwen2", {}, QType.Q8_0, {"quant_activation_passes": 1}),
+    # MXFP4: E8M0 scales and the -12 sum(qx) activation sums, each thread its own
+    "llama-mxfp4": ("llama", {}, QType.MXFP4, {}),
 }
 
 

@@ -44,6 +44,8 @@ CASES = {
     # Q5_K weights; Q5_0 is what llama.cpp's Q4_K_M falls back to for widths not a multiple
     # of 256 (dequantized at load).
     "qwen2-q5_k-embed-q5_0": ("qwen2", QType.Q5_K, QType.Q5_0, WIDE),
+    # MXFP4 (E8M0 scales, E2M1 values): what llama.cpp's MXFP4_MOE files hold
+    "llama-mxfp4-embed-q8_0": ("llama", QType.MXFP4, QType.Q8_0, {}),
 }
 PROMPTS = 4
 

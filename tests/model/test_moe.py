@@ -111,7 +111,8 @@ def moe_gguf(request, tmp_path_factory, tiny_tokenizer_dir):
     family = request.param
     root = tmp_path_factory.mktemp(family)
     hf_dir = write_checkpoint(root / "hf", family, tiny_tokenizer_dir)
-    files = {q: write_gguf(hf_dir, root / f"{q.name}.gguf", q) for q in (QType.F32, QType.Q8_0)}
+    types = (QType.F32, QType.Q8_0, QType.MXFP4)  # MXFP4: llama.cpp's MXFP4_MOE experts
+    files = {q: write_gguf(hf_dir, root / f"{q.name}.gguf", q) for q in types}
     rng = random.Random(13)
     vocab = transformers.AutoConfig.from_pretrained(hf_dir).vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(3, 30))] for _ in range(4)]
@@ -130,7 +131,10 @@ def test_a_mixture_of_experts_gguf_file_holds_greedy_parity_with_its_checkpoint(
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_quantized_gguf_experts_stay_quantized_and_are_close_to_the_file_dequantized(moe_gguf):
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "MXFP4"])
+def test_quantized_gguf_experts_stay_quantized_and_are_close_to_the_file_dequantized(
+    moe_gguf, qtype_name
+):
     from gguf import GGMLQuantizationType as QType
 
     from conveyor.model.cpu import cpu_kernels
@@ -142,7 +146,7 @@ def test_quantized_gguf_experts_stay_quantized_and_are_close_to_the_file_dequant
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
     runs = {}
     for backend in ("auto", "onednn"):
-        llm = LLM(str(files[QType.Q8_0]), num_kv_blocks=64, dtype="float32",
+        llm = LLM(str(files[QType[qtype_name]]), num_kv_blocks=64, dtype="float32",
                   linear_backend=backend)  # fmt: skip
         blocks = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, MoEBlock)]
         assert blocks
@@ -172,7 +176,7 @@ def test_bad_expert_metadata_is_one_clear_error(key, value, message, tmp_path, t
         LLM(str(bad), num_kv_blocks=16)
 
 
-@pytest.mark.parametrize("qtype_name", ["Q8_0", "F32"])
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "MXFP4", "F32"])
 def test_the_experts_c_kernel_equals_the_module_loop(moe_gguf, qtype_name, monkeypatch):
     from gguf import GGMLQuantizationType as QType
 
@@ -198,7 +202,7 @@ def test_the_experts_c_kernel_equals_the_module_loop(moe_gguf, qtype_name, monke
     loop = llm.generate(prompts, params, use_tqdm=False)
     for c, m in zip(with_c, loop, strict=True):
         assert c.outputs[0].token_ids == m.outputs[0].token_ids
-        if qtype_name == "Q8_0":  # the same integer kernels: bit for bit
+        if qtype_name != "F32":  # the same integer kernels: bit for bit
             assert c.outputs[0].logprobs == m.outputs[0].logprobs
         else:  # float32 panels: the team GEMM may sum in another order
             for got, want in zip(c.outputs[0].logprobs, m.outputs[0].logprobs, strict=True):

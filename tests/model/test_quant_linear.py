@@ -34,11 +34,15 @@ _SCALES["Q6_K"] = (208, 1, 0.0005)
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int) -> QuantTensor:
-    """Random quants (and K-quant sub-block scales) with small random float16 scales."""
+    """Random quants (and K-quant sub-block scales) with small random float16 scales (MXFP4:
+    E8M0 scales 2^-10 .. 2^-4, its values up to 6 times that)."""
     rng = np.random.default_rng(seed)
     _, weights, size = QUANT_TYPES[qtype]
     nb = cols // weights
     blocks = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    if qtype == "MXFP4":
+        blocks[:, :, 0] = rng.integers(118, 125, (rows, nb), dtype=np.uint8)
+        return QuantTensor(qtype, torch.from_numpy(blocks.reshape(rows, nb * size)), (rows, cols))
     at, count, scale = _SCALES.get(qtype, (0, 1, 0.05))
     scales = rng.uniform(-scale, scale, (rows, nb, count)).astype(np.float16)
     blocks[:, :, at : at + 2 * count] = scales.view(np.uint8).reshape(rows, nb, 2 * count)
@@ -251,6 +255,35 @@ def test_quant_embedding_rows_equal_the_dequantized_rows_and_its_head_is_tied(ke
     assert_same_up_to_fp32_order(head(hidden), quantize_like_the_kernel(hidden), w)
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 50\)"):
         emb(torch.tensor([50]))
+
+
+def test_mxfp4_scales_decode_as_ggufs_at_every_e8m0_byte(kernels):
+    """MXFP4's scale byte e is 2^(e - 128) against the doubled E2M1 values (a subnormal float
+    for e < 2, 2^127 for 255). Rows dequantize (the plain C decoding every build runs) to
+    gguf's reference bit for bit at all 256 bytes; the dot products' vector decoding of
+    sixteen (AVX-512) or eight (AVX2) scales at once gives each block alone (x ones over it,
+    scaled down by 2^-20 for e >= 128 so that no sum overflows) to float32 rounding, and to
+    the subnormals' rounding at e < 2."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (16, 16, 17), dtype=np.uint8)  # 16 rows of 16 blocks
+    blocks[:, :, 0] = np.arange(256, dtype=np.uint8).reshape(16, 16).T  # block b: 16 b + row
+    weight = QuantTensor("MXFP4", torch.from_numpy(blocks.reshape(16, -1)), (16, 512))
+    with np.errstate(over="ignore"):  # gguf's reference reaches infinity at e = 255
+        w = weight.dequantize()
+    assert torch.equal(QuantEmbedding(weight, kernels)(torch.arange(16)), w)
+    x = torch.zeros(16, 512, dtype=torch.float64)
+    for b in range(16):  # activation row b: block b of every weight row
+        x[b, 32 * b : 32 * b + 32] = 1.0 if b < 8 else 2.0**-20
+    with torch.inference_mode():
+        got = QuantLinear([weight], None, kernels)(x.float()).double()
+    # each block's sum in float64, from its bytes (past float32's range at the top)
+    kvalues = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12.0]).double()
+    qs = torch.from_numpy(blocks[:, :, 1:]).long()
+    sums = kvalues[torch.cat([qs & 15, qs >> 4], -1)].sum(-1)  # [row, block]
+    scales = torch.exp2(torch.from_numpy(blocks[:, :, 0]).double() - 128)
+    want = (sums * scales).T * x[:, ::32].diagonal().view(16, 1)  # [activation row, row]
+    assert torch.all((got - want).abs() <= 1e-5 * want.abs() + 2.0**-130), (got - want).abs()
+    assert want[0].abs().min() > 0  # the subnormal scales' blocks are not all zero
 
 
 def test_quantized_module_checks_the_shape_and_x(kernels):

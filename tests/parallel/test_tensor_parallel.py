@@ -18,7 +18,12 @@ import torch.distributed as dist
 import transformers
 from gguf import GGMLQuantizationType as QType
 from tests.gguf_files import write_gguf
-from tests.hf_checkpoints import agree_until_a_near_tie, greedy_reference, write_checkpoint
+from tests.hf_checkpoints import (
+    agree_until_a_near_tie,
+    greedy_reference,
+    write_checkpoint,
+    write_mxfp4_checkpoint,
+)
 
 from conveyor import LLM, SamplingParams
 from conveyor.model.distributed.sharding import Shard
@@ -31,26 +36,38 @@ NUM_PROMPTS = 8
 # and one KV head for two ranks (replicated); qwen2-moe: each expert's and the shared
 # expert's intermediate dimension split, the router replicated; mixtral: its w1/w2/w3 names;
 # gpt-oss: its sinks split by query heads, its stacked experts split once made per-expert;
-# olmoe: its q/k norms over the whole projection split by heads, their mean square all-reduced.
+# olmoe: its q/k norms over the whole projection split by heads, their mean square all-reduced;
+# gpt-oss-mxfp4: its MXFP4 experts dequantized at load (the blocks are not split by rank).
 CASES = {
     "llama": {}, "qwen2": {}, "qwen3": {"num_key_value_heads": 1}, "qwen2-moe": {},
-    "mixtral": {}, "gpt-oss": {}, "olmoe": {},
+    "mixtral": {}, "gpt-oss": {}, "gpt-oss-mxfp4": {}, "olmoe": {},
 }  # fmt: skip
+
+
+def _transformers(path):
+    """transformers' float32 model of the checkpoint at path (an MXFP4 one dequantized)."""
+    load = {}
+    if "quantization_config" in transformers.AutoConfig.from_pretrained(path).to_dict():
+        load["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tp_case(request, tmp_path_factory, demo_model_dir):
     family = request.param
-    path = write_checkpoint(
-        tmp_path_factory.mktemp(family), family, demo_model_dir, **CASES[family]
-    )
+    if family == "gpt-oss-mxfp4":
+        path = write_mxfp4_checkpoint(tmp_path_factory.mktemp(family), demo_model_dir)
+    else:
+        path = write_checkpoint(
+            tmp_path_factory.mktemp(family), family, demo_model_dir, **CASES[family]
+        )
     rng = random.Random(7)
     vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
     prompts = [
         [rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(NUM_PROMPTS)
     ]
     max_tokens = [rng.randint(1, 12) for _ in range(NUM_PROMPTS)]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = _transformers(path)
     refs = greedy_reference(hf, prompts, max_tokens, with_scores=True)
     # 10 blocks of 8 tokens cannot hold the batch (preemption); 16 tokens a step split the
     # longer prompts into chunks.
@@ -113,7 +130,7 @@ def test_rank0_holds_its_slices_and_kv_heads_only(tp_case):
 def test_prompt_logprobs_match_transformers_over_the_gathered_vocabulary(tp_case):
     _, _, llm, prompts, *_ = tp_case
     prompt = prompts[0] + prompts[1]  # longer than a step's 16 tokens: chunked too
-    hf = transformers.AutoModelForCausalLM.from_pretrained(llm.llm_engine.model_path)
+    hf = _transformers(llm.llm_engine.model_path)
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)

@@ -1,8 +1,10 @@
 """GGUF weights kept quantized: linear layers and the embedding on the file's own blocks.
 
-A GGUF file's Q8_0, Q4_0, Q4_1 tensors and the K-quants Q4_K, Q5_K and Q6_K (Q4_K_M's
-types) stay in memory as the file has them (4.5 to 8.5 bits a weight instead of fp32's 32)
-and run through csrc/quant_linear.c (the dot products in quant_x8_*.c and quant_k_*.c): each
+A GGUF file's Q8_0, Q4_0, Q4_1 and MXFP4 tensors and the K-quants Q4_K, Q5_K and Q6_K
+(Q4_K_M's types) stay in memory as the file has them (4.25 to 8.5 bits a weight instead of
+fp32's 32), and so do an HF MXFP4 checkpoint's experts, repacked into GGUF's MXFP4 blocks at
+load (loading/mxfp4.py); they run through csrc/quant_linear.c (the dot products in
+quant_x8_*.c and quant_k_*.c): each
 step quantizes the activations per block of 32 to 8 bits and takes integer dot products with
 the weight blocks (the formats' own design; the kernels' headers have the arithmetic). Other
 types (Q5_0, Q2_K, F16, BF16, ...) are dequantized at load as before, with a log line saying
@@ -37,6 +39,7 @@ QUANT_TYPES = {
     "Q4_K": (12, 256, 144),
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),
+    "MXFP4": (39, 32, 17),  # an E8M0 scale byte and 16 bytes of E2M1 nibbles
 }
 BLOCK = 32  # activations are quantized per 32
 # From this many rows of x (a long prefill chunk) a QuantLinear stops running the integer
@@ -62,6 +65,7 @@ def q8a_bytes(passes: int, rows: int, k: int) -> int:
 # block of such a group (the K-quants' 6-bit scales decoded to bytes: 2-3% more).
 GROUP = 16  # csrc/kernels.h's QG
 _GROUP_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q4_1": 320, "Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3360}
+_GROUP_BYTES["MXFP4"] = 272
 # Activation rows that share one pass over a group's unpacked weights (csrc's QT).
 MAX_TILE = 4
 
@@ -102,6 +106,23 @@ class QuantTensor:
         return torch.from_numpy(np.array(values, np.float32, copy=True).reshape(self.shape))
 
 
+@dataclass(frozen=True)
+class QuantExperts:
+    """A stack of experts' weights in GGUF blocks (an HF MXFP4 checkpoint's, repacked at load:
+    loading/mxfp4.py), each expert's [rows, cols] weight in nn.Linear's orientation; the
+    family's unstack cuts it into QuantTensors (`expert`)."""
+
+    qtype: str
+    data: torch.Tensor  # uint8 [experts, rows, row bytes]
+    shape: tuple[int, int, int]  # (experts, rows, cols) in weights
+
+    def expert(self, e: int, rows: slice = slice(None)) -> QuantTensor:
+        """Expert e's weight, or the rows `rows` of it (gpt-oss's interleaved gate and up),
+        as a QuantTensor of its own bytes."""
+        data = self.data[e, rows].contiguous()
+        return QuantTensor(self.qtype, data, (data.shape[0], self.shape[2]))
+
+
 def _side(fields: np.ndarray, width: int) -> np.ndarray:
     """[groups, GROUP rows, blocks, F * width] -> [groups, blocks, F * GROUP * width]: each
     of the F fields (of `width` bytes) of the group's rows side by side."""
@@ -136,6 +157,8 @@ def _interleaved_pieces(qtype: str, b: np.ndarray) -> list[np.ndarray]:
         return [_side(b[..., 0:2], 2), _quads(b[..., 2:18], 16)]
     if qtype == "Q4_1":
         return [_side(b[..., 0:2], 2), _side(b[..., 2:4], 2), _quads(b[..., 4:20], 16)]
+    if qtype == "MXFP4":  # the E8M0 scale bytes, then the nibbles as Q4_0's
+        return [_side(b[..., 0:1], 1), _quads(b[..., 1:17], 16)]
     if qtype == "Q6_K":  # ql, qh, sc, d -> d, sc, ql, qh
         return [_side(b[..., 208:210], 2), _side(b[..., 192:208], 1),
                 _quads(b[..., 0:128], 32), _quads(b[..., 128:192], 32)]  # fmt: skip

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.model.cpu.quant_linear import QuantTensor, quantized_module
+from conveyor.model.cpu.quant_linear import QuantExperts, QuantTensor, quantized_module
 from conveyor.model.distributed.sharding import Shard
 from conveyor.model.loading.finite_weights import check_torch_tensor
 from conveyor.model.loading.safetensors_mmap import MappedTensor
@@ -111,17 +111,20 @@ def _unstacked(
 ) -> Iterator[tuple[str, torch.Tensor | MappedTensor]]:
     """The tensors, each that `unstack` divides (FamilySpec.unstack) replaced by its pieces:
     views of it, checked for finite values as a whole. A mapped one is released once its
-    pieces are assigned; a contiguous piece is cloned first, as a parameter could alias it."""
+    pieces are assigned; a contiguous piece is cloned first, as a parameter could alias it.
+    A QuantExperts' pieces are QuantTensors of their own bytes."""
     for name, item in tensors:
         view = item.tensor if isinstance(item, MappedTensor) else item
-        pieces = unstack(name, view) if isinstance(view, torch.Tensor) else None
+        pieces = unstack(name, view) if isinstance(view, torch.Tensor | QuantExperts) else None
         if pieces is None:
             yield name, item
             continue
         if isinstance(item, MappedTensor):
             check_torch_tensor(name, view)
         for piece_name, piece in pieces:
-            yield piece_name, piece.clone() if piece.is_contiguous() else piece
+            if isinstance(piece, torch.Tensor) and piece.is_contiguous():
+                piece = piece.clone()
+            yield piece_name, piece
         if isinstance(item, MappedTensor):
             item.release()
 

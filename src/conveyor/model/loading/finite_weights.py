@@ -10,6 +10,10 @@ from the bytes it is loaded from, and the first bad value is named:
     GGUF blocks (Q4_0 ... Q6_K)                         every block's float16 scale (and min):
                                                         the quants are integers, finite as
                                                         long as what multiplies them is
+    MXFP4 (GGUF blocks, HF checkpoints' experts)        every E8M0 scale byte: not 0xFF (its
+                                                        NaN), and not so large (2^126 and up)
+                                                        that a value of its group times it
+                                                        overflows float32
 
 A test of the exponent bits on integer views, a million values at a time: about a
 nanosecond a value or less (docs/benchmarks.md), a small share of a load that copies every
@@ -46,6 +50,33 @@ BLOCK_SCALES = {
     "Q6_K": (210, (208,)),
 }
 _FLOAT16_HIGH_EXPONENT = 0x7C  # a little-endian float16's exponent, in its second byte
+_E8M0_NAN, _E8M0_HUGE = 0xFF, 253  # the NaN byte; 2^126, the first that a value can overflow
+# MXFP4's E2M1 magnitude of each 4-bit code.
+_FP4_MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6] * 2)
+
+
+def first_bad_e8m0(scales: np.ndarray, codes: np.ndarray) -> tuple[int, int] | None:
+    """(index, scale byte) of the first MXFP4 group whose scale is E8M0's NaN or makes one of
+    its values overflow float32 (None: none). scales: uint8 [N]; codes: uint8 [N, 16], the
+    group's nibbles in either order. Only the rare groups of a huge scale are decoded."""
+    huge = np.flatnonzero(scales >= _E8M0_HUGE)
+    if huge.size == 0:
+        return None
+    packed = codes[huge]
+    largest = _FP4_MAGNITUDES[np.concatenate([packed & 15, packed >> 4], axis=1)].max(axis=1)
+    exponent = scales[huge].astype(np.float64) - 127
+    bad = (scales[huge] == _E8M0_NAN) | (largest * np.exp2(exponent) >= 2.0**128)
+    if not bad.any():
+        return None
+    at = int(huge[np.argmax(bad)])
+    return at, int(scales[at])
+
+
+def describe_e8m0(scale: int) -> str:
+    """first_bad_e8m0's scale byte, for a message."""
+    if scale == _E8M0_NAN:
+        return "the E8M0 NaN (0xFF)"
+    return f"the scale 2^{scale - 127}, which takes its group's weights past float32's range"
 
 
 def first_all_ones(bits: np.ndarray, mask: int) -> tuple[int, ...] | None:
@@ -107,6 +138,17 @@ def check_gguf_tensor(file: str | os.PathLike[str], tensor: GGUFTensor) -> None:
     kind, where = tensor.tensor_type.name, f"GGUF file {file}: "
     if kind in ("F32", "F16", "BF16"):
         check_float_bits(where, tensor.name, kind, tensor.data)
+        return
+    if kind == "MXFP4":  # blocks of an E8M0 scale byte and 16 bytes of nibbles
+        blocks = tensor.data.reshape(-1, tensor.data.shape[-1] // 17, 17)
+        bad = first_bad_e8m0(blocks[..., 0].reshape(-1), blocks[..., 1:].reshape(-1, 16))
+        if bad is not None:
+            row, block = divmod(bad[0], blocks.shape[1])
+            raise ValueError(
+                f"{where}tensor {tensor.name} (MXFP4) has a block holding "
+                f"{describe_e8m0(bad[1])} (row {row}, block {block}); a model with a value "
+                "that is not finite answers only errors. The file is damaged."
+            )
         return
     if kind not in BLOCK_SCALES:
         raise ValueError(f"{where}tensor {tensor.name} is {kind}, whose scales are unknown.")

@@ -54,7 +54,7 @@ GGUF_ARCHITECTURES = {
 }
 # Tensor types we dequantize (all that `gguf.quants.dequantize` and our tests cover).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
-GGUF_TYPES += ("Q6_K",)
+GGUF_TYPES += ("Q6_K", "MXFP4")
 
 _ROPE_FREQS = "rope_freqs.weight"  # read into the config, not a weight
 # llama.cpp writes Mixtral as a `llama` file with experts.

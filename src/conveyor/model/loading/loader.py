@@ -17,10 +17,12 @@ checkpoint, converted to the target dtype/device (Llama's names):
 
 A GGUF file (model/loading/gguf_loader.py) goes through the same path: its metadata becomes the
 config dict and its tensors, renamed to HF names, the tensor stream. They are dequantized, or
-with `keep_quantized` a weight of a type in quant_linear.QUANT_TYPES (Q8_0, Q4_0, Q4_1, Q4_K,
-Q5_K, Q6_K) arrives as a QuantTensor and its module is replaced by a QuantLinear /
+with `keep_quantized` a weight of a type in quant_linear.QUANT_TYPES (Q8_0, Q4_0, Q4_1, MXFP4,
+Q4_K, Q5_K, Q6_K) arrives as a QuantTensor and its module is replaced by a QuantLinear /
 QuantEmbedding holding the file's blocks (model/cpu/quant_linear.py);
-a tied head then shares the embedding's blocks.
+a tied head then shares the embedding's blocks. An HF MXFP4 checkpoint's expert stacks
+(gpt-oss) arrive the same way, repacked into GGUF's MXFP4 blocks, or dequantized where the C
+kernels do not run the linears (model/loading/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from conveyor.model.loading.hf_config import (
     resolve_dtype,
     resolve_model_class,
 )
+from conveyor.model.loading.mxfp4 import is_mxfp4, mxfp4_tensors
 from conveyor.model.loading.safetensors_mmap import MappedTensor, iter_mapped_tensors
 from conveyor.model.models.layers import use_kernels
 from conveyor.model.models.llama import LlamaForCausalLM
@@ -192,6 +195,17 @@ def build_model(
             config.tie_word_embeddings or "lm_head.weight" not in _checkpoint_names(files)
         )
         tensors = iter_checkpoint_tensors(files)
+        if is_mxfp4(hf_config):
+            # the experts stay in their MXFP4 blocks where our C kernels run the linears
+            # (not split for tensor parallelism: those ranks get the dequantized weights)
+            if keep_quantized and device.type == "cpu" and dtype == torch.float32 and shard is None:
+                kernels = cpu_kernels.load()
+            tensors = mxfp4_tensors(tensors, kernels is not None, linear_dtype or dtype)
+            logger.info(
+                "MXFP4 experts: %s.",
+                "kept quantized (C kernels)" if kernels is not None else
+                f"dequantized to {str(linear_dtype or dtype).removeprefix('torch.')}",
+            )  # fmt: skip
     with torch.device("meta"):
         model = cls(config, backend, tp=tp, shard=shard)
     try:

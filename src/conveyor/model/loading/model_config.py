@@ -78,10 +78,12 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry.")
         quant = hf.get("quantization_config")
-        if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4":
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        if quant is not None and str(method).lower() != "mxfp4":
+            # MXFP4 experts are read by loading/mxfp4.py; other formats' tensors are not
             raise ValueError(
-                "MXFP4 checkpoints (quantization_config quant_method 'mxfp4') are not "
-                "supported; use a bfloat16 or float32 checkpoint."
+                f"quantization_config quant_method {method!r} is not supported; conveyor loads "
+                "bfloat16, float16 and float32 checkpoints, MXFP4 ones (gpt-oss) and GGUF files."
             )
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Only hidden_act 'silu' is supported, got {hf['hidden_act']!r}.")

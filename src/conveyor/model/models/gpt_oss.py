@@ -1,5 +1,6 @@
-"""gpt-oss (`GptOssForCausalLM`) from bfloat16 or float32 safetensors (MXFP4 checkpoints are
-refused: loading/model_config.py). Llama's decoder, with these differences, each computed as
+"""gpt-oss (`GptOssForCausalLM`) from bfloat16 or float32 safetensors, and from the MXFP4 ones
+it is released as (loading/mxfp4.py: the experts kept in their 4-bit blocks on our C kernels,
+else dequantized at load). Llama's decoder, with these differences, each computed as
 transformers computes it:
 
     attention  q/k/v/o biases, sliding-window and full layers alternating (`layer_types`),
@@ -13,11 +14,14 @@ transformers computes it:
                (`gate_up_proj` [E, H, 2I], gate = [..., ::2]) and transposed from
                nn.Linear's [out, in]; `split_stacked_experts` makes each expert's
                gate_proj, up_proj and down_proj of them at load, which then fuse, split for
-               tensor parallelism and pack as any MoE's do
+               tensor parallelism and pack as any MoE's do; an MXFP4 checkpoint's stacks
+               kept quantized (QuantExperts, [E, out, in] with gate and up interleaved by
+               rows) become each expert's QuantLinears the same way
 
-The experts keep MoEBlock's module loop: neither CUDA's grouped GEMMs nor csrc/moe.c run
-biases or this activation (`fusable`). The fused C decoder layers refuse the model (its
-attention and MLP are not the plain Llama ones), so csrc/decoder_layers.c never sees sinks.
+The experts keep MoEBlock's module loop, on float or MXFP4 linears: neither CUDA's grouped
+GEMMs nor csrc/moe.c run biases or this activation (`fusable`). The fused C decoder layers
+refuse the model (its attention and MLP are not the plain Llama ones), so
+csrc/decoder_layers.c never sees sinks.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from conveyor.model.attention.metadata import AttentionMetadata
+from conveyor.model.cpu.quant_linear import QuantExperts
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.loading.model_config import ModelConfig
 from conveyor.model.models.layers import RopeStep
@@ -94,12 +99,20 @@ class GptOssMoE(MoEBlock):
 _STACKS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
-def split_stacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, Any]] | None:
+def split_stacked_experts(
+    name: str, tensor: torch.Tensor | QuantExperts
+) -> list[tuple[str, Any]] | None:
     """Each expert's weights of a stacked checkpoint tensor `...mlp.experts.<stack>` as
-    views, named as per-expert checkpoints name them; None for any other tensor."""
+    views, named as per-expert checkpoints name them; None for any other tensor. An MXFP4
+    checkpoint's weight stacks kept quantized (QuantExperts, loading/mxfp4.py) are in
+    nn.Linear's orientation already, gate and up interleaved by rows."""
     prefix, _, stack = name.rpartition(".")
     if not prefix.endswith("mlp.experts") or stack not in _STACKS:
         return None
+    if isinstance(tensor, QuantExperts):
+        if stack not in ("gate_up_proj", "down_proj"):
+            raise ValueError(f"{name} is quantized, but only the experts' weights can be.")
+        return _split_quantized(prefix, stack, tensor)
     out = []
     for e, t in enumerate(tensor.unbind(0)):
         base = f"{prefix}.{e}"
@@ -114,6 +127,20 @@ def split_stacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, An
             out.append((f"{base}.down_proj.weight", t.T))
         else:
             out.append((f"{base}.down_proj.bias", t))
+    return out
+
+
+def _split_quantized(prefix: str, stack: str, experts: QuantExperts) -> list[tuple[str, Any]]:
+    out = []
+    for e in range(experts.shape[0]):
+        base = f"{prefix}.{e}"
+        if stack == "gate_up_proj":  # rows: gate, up, gate, up, ...
+            out += [
+                (f"{base}.gate_proj.weight", experts.expert(e, slice(0, None, 2))),
+                (f"{base}.up_proj.weight", experts.expert(e, slice(1, None, 2))),
+            ]
+        else:
+            out.append((f"{base}.down_proj.weight", experts.expert(e)))
     return out
 
 

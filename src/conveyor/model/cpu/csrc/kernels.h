@@ -7,9 +7,10 @@
  * Names follow one grammar, `<op>_<weight type>_<activation type>[_<form>][_<isa>]`:
  *
  *   op          gemm, dot, rows, dequantize, panel, paged_attention, attend, rms_norm, ...
- *   weight      f32, bf16, q4_0, q4_1, q8_0, q4_k, q5_k, q6_k; gguf where the GGUF type is an
- *               argument (dispatched through quant_types.c's table); none for ops without
- *               one (rotary_f32, argmax_f32; quantize_q8a_f32 names its output, q8a, there)
+ *   weight      f32, bf16, q4_0, q4_1, q8_0, mxfp4, q4_k, q5_k, q6_k; gguf where the GGUF
+ *               type is an argument (dispatched through quant_types.c's table); none for ops
+ *               without one (rotary_f32, argmax_f32; quantize_q8a_f32 names its output, q8a,
+ *               there)
  *   activation  f32, bf16 (x rounded to bf16: vdpbf16ps), q8a (8-bit blocks of 32)
  *   form        team (every thread of a running parallel region calls it; it returns after
  *               the team's barrier), team_nowait, own (the calling thread alone), grouped
@@ -55,7 +56,7 @@
 #endif
 
 /* ---- GGUF blocks (quant_layout.h has the interleaved layouts) */
-#define QK 32    /* weights per activation block (and per Q8_0 / Q4_0 / Q4_1 block) */
+#define QK 32    /* weights per activation block (and per Q8_0 / Q4_0 / Q4_1 / MXFP4 block) */
 #define QK_K 256 /* weights per K-quant super-block */
 /* Weight rows per interleaved group (quant_linear.py's interleave_groups): one 512-bit
  * register holds four consecutive quants of each of the sixteen rows, one int32 lane a row. */
@@ -66,7 +67,7 @@
 /* Blocks (rows x weights / 32) from which a quantization or a dot product takes a team. */
 #define QUANT_PARALLEL_MIN_BLOCKS 4096
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* GGML's type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 }; /* GGML's ids */
 
 typedef struct {
     float d, s; /* scale, and d * sum(q) */
@@ -90,8 +91,9 @@ typedef void (*quant_panel_fn)(const uint8_t *w, int64_t k, uint16_t *panel);
 /* The activation sums a type's dot product starts its integer sums from (xsum: int32
  * [passes][m][k / 32][2], gemm_gguf_q8a fills them): Q6_K -32 times each half-block's sum of
  * 16 quants (its q - 32 offset), Q8_0 -128 times the block's sum of 32 (its weights are
- * stored + 128, unsigned for dpbusd) and 0. */
-enum { XSUM_NONE, XSUM_Q8_0, XSUM_Q6_K };
+ * stored + 128, unsigned for dpbusd) and 0, MXFP4 -12 times it and 0 (its values looked up
+ * + 12, unsigned for dpbusd and maddubs). */
+enum { XSUM_NONE, XSUM_Q8_0, XSUM_Q6_K, XSUM_MXFP4 };
 
 /* One GGUF type the kernels keep quantized: quant_types.c's table, the one place a type id
  * leads to its code. */
@@ -345,7 +347,7 @@ void quantize_row_q8a_f32_generic(const float *x, int64_t nb, q8a_block *o, q8a_
 void quantize_row_q8a_f32_avx512(const float *x, int64_t nb, q8a_block *o, q8a_block *o2);
 #endif
 
-/* quant_x8_*.c (Q8_0, Q4_0, Q4_1) and quant_k_*.c (Q4_K, Q5_K, Q6_K): each type's dot
+/* quant_x8_*.c (Q8_0, Q4_0, Q4_1, MXFP4) and quant_k_*.c (Q4_K, Q5_K, Q6_K): each type's dot
  * product (quant_dot_fn), row dequantization (quant_row_fn) and bf16 panel (quant_panel_fn);
  * quant_types.c's table holds them. */
 #define QUANT_DOT_ARGS                                                                         \
@@ -354,6 +356,7 @@ void quantize_row_q8a_f32_avx512(const float *x, int64_t nb, q8a_block *o, q8a_b
 void dot_q4_0_q8a_generic(QUANT_DOT_ARGS);
 void dot_q4_1_q8a_generic(QUANT_DOT_ARGS);
 void dot_q8_0_q8a_generic(QUANT_DOT_ARGS);
+void dot_mxfp4_q8a_generic(QUANT_DOT_ARGS);
 void dot_q4_k_q8a_generic(QUANT_DOT_ARGS);
 void dot_q5_k_q8a_generic(QUANT_DOT_ARGS);
 void dot_q6_k_q8a_generic(QUANT_DOT_ARGS);
@@ -361,6 +364,7 @@ void dot_q6_k_q8a_generic(QUANT_DOT_ARGS);
 void dot_q4_0_q8a_avx2(QUANT_DOT_ARGS);
 void dot_q4_1_q8a_avx2(QUANT_DOT_ARGS);
 void dot_q8_0_q8a_avx2(QUANT_DOT_ARGS);
+void dot_mxfp4_q8a_avx2(QUANT_DOT_ARGS);
 void dot_q4_k_q8a_avx2(QUANT_DOT_ARGS);
 void dot_q5_k_q8a_avx2(QUANT_DOT_ARGS);
 void dot_q6_k_q8a_avx2(QUANT_DOT_ARGS);
@@ -369,6 +373,7 @@ void dot_q6_k_q8a_avx2(QUANT_DOT_ARGS);
 void dot_q4_0_q8a_avx512(QUANT_DOT_ARGS);
 void dot_q4_1_q8a_avx512(QUANT_DOT_ARGS);
 void dot_q8_0_q8a_avx512(QUANT_DOT_ARGS);
+void dot_mxfp4_q8a_avx512(QUANT_DOT_ARGS);
 void dot_q4_k_q8a_avx512(QUANT_DOT_ARGS);
 void dot_q5_k_q8a_avx512(QUANT_DOT_ARGS);
 void dot_q6_k_q8a_avx512(QUANT_DOT_ARGS);
@@ -376,6 +381,7 @@ void dot_q6_k_q8a_avx512(QUANT_DOT_ARGS);
 void dequantize_q4_0_f32(const uint8_t *w, int r, int64_t k, float *out);
 void dequantize_q4_1_f32(const uint8_t *w, int r, int64_t k, float *out);
 void dequantize_q8_0_f32(const uint8_t *w, int r, int64_t k, float *out);
+void dequantize_mxfp4_f32(const uint8_t *w, int r, int64_t k, float *out);
 void dequantize_q4_k_f32(const uint8_t *w, int r, int64_t k, float *out);
 void dequantize_q5_k_f32(const uint8_t *w, int r, int64_t k, float *out);
 void dequantize_q6_k_f32(const uint8_t *w, int r, int64_t k, float *out);
@@ -383,6 +389,7 @@ void dequantize_q6_k_f32(const uint8_t *w, int r, int64_t k, float *out);
 void panel_q4_0_bf16(const uint8_t *w, int64_t k, uint16_t *panel);
 void panel_q4_1_bf16(const uint8_t *w, int64_t k, uint16_t *panel);
 void panel_q8_0_bf16(const uint8_t *w, int64_t k, uint16_t *panel);
+void panel_mxfp4_bf16(const uint8_t *w, int64_t k, uint16_t *panel);
 void panel_q4_k_bf16(const uint8_t *w, int64_t k, uint16_t *panel);
 void panel_q5_k_bf16(const uint8_t *w, int64_t k, uint16_t *panel);
 void panel_q6_k_bf16(const uint8_t *w, int64_t k, uint16_t *panel);

@@ -8,11 +8,15 @@
  *     Q4_0  d[16]               q[4][16][4]    288 bytes
  *     Q4_1  d[16], m[16]        q[4][16][4]    320 bytes
  *     Q8_0  d[16]               q[8][16][4]    544 bytes
+ *     MXFP4 e[16]               q[4][16][4]    272 bytes
  *
  * d and m float16, one per row; q[g][r][i] is the file's quant byte 4 g + i of row r's block:
- * for Q4 the byte holding weights 4 g + i (low nibble) and 16 + 4 g + i (high nibble), for
- * Q8_0 weight 4 g + i plus 128 (stored unsigned: dpbusd multiplies unsigned weights by
- * signed activations without saturating, and the block's 128 sum(qx) comes off). So one
+ * for Q4 and MXFP4 the byte holding weights 4 g + i (low nibble) and 16 + 4 g + i (high
+ * nibble), for Q8_0 weight 4 g + i plus 128 (stored unsigned: dpbusd multiplies unsigned
+ * weights by signed activations without saturating, and the block's 128 sum(qx) comes off).
+ * MXFP4 (GGUF's block: e, qs[16], 17 bytes; an HF gpt-oss checkpoint's experts are repacked
+ * into it at load): e is the block's E8M0 scale byte, one per row, and a nibble indexes the
+ * sixteen E2M1 values doubled (integers, mxfp4_value), so w = 2^(e - 128) value. So one
  * 64-byte load holds four consecutive quants of each of the sixteen rows, and one `dpbusd`
  * (or `maddubs` + `madd`) against four activation quants broadcast to every lane adds them
  * into sixteen int32 sums, one lane per row: a block's sixteen dot products without a
@@ -62,6 +66,7 @@
 #define Q4_0_GROUP_BYTES 288
 #define Q4_1_GROUP_BYTES 320
 #define Q8_0_GROUP_BYTES 544
+#define MXFP4_GROUP_BYTES 272
 #define Q4_K_GROUP_BYTES 2368
 #define Q5_K_GROUP_BYTES 2880
 #define Q6_K_GROUP_BYTES 3360
@@ -74,6 +79,7 @@ static inline int64_t x8_block_bytes(int qtype)
     case Q4_0: return Q4_0_GROUP_BYTES;
     case Q4_1: return Q4_1_GROUP_BYTES;
     case Q8_0: return Q8_0_GROUP_BYTES;
+    case MXFP4: return MXFP4_GROUP_BYTES;
     default: return 0;
     }
 }
@@ -90,11 +96,14 @@ static inline int64_t k_block_bytes(int qtype)
 
 /* The two families of types, each written once in its files (quant_entries.h): X(t, TYPE)
  * per type, t the entry points' name for it. */
-#define X8_TYPES(X) X(q8_0, Q8_0) X(q4_0, Q4_0) X(q4_1, Q4_1) /* quant_x8_*.c */
-#define K_TYPES(X) X(q4_k, Q4_K) X(q5_k, Q5_K) X(q6_k, Q6_K)   /* quant_k_*.c */
+#define X8_TYPES(X) X(q8_0, Q8_0) X(q4_0, Q4_0) X(q4_1, Q4_1) X(mxfp4, MXFP4) /* quant_x8_*.c */
+#define K_TYPES(X) X(q4_k, Q4_K) X(q5_k, Q5_K) X(q6_k, Q6_K)                   /* quant_k_*.c */
 
 /* The 32-weight types: bytes of scales before the quants. */
-static inline int header_bytes(int qtype) { return qtype == Q4_1 ? 4 * QG : 2 * QG; }
+static inline int header_bytes(int qtype)
+{
+    return qtype == Q4_1 ? 4 * QG : qtype == MXFP4 ? QG : 2 * QG;
+}
 
 /* Offsets in an interleaved K-quant super-block of sixteen rows; a quad run is 8 x 64 bytes. */
 enum { K_SC = 64, K_MIN = 192, K_QH = 320 };           /* Q4_K / Q5_K (qs at 320, or 832) */

@@ -1,5 +1,5 @@
-/* Linear layers on GGUF's quantized blocks: out = x @ W^T + bias for W [N, K] in Q8_0, Q4_0
- * or Q4_1 (quant_x8_*.c) or a K-quant (Q4_K, Q5_K, Q6_K: quant_k_*.c), rows interleaved
+/* Linear layers on GGUF's quantized blocks: out = x @ W^T + bias for W [N, K] in Q8_0, Q4_0,
+ * Q4_1 or MXFP4 (quant_x8_*.c) or a K-quant (Q4_K, Q5_K, Q6_K: quant_k_*.c), rows interleaved
  * sixteen at a time at load (conveyor.model.cpu.quant_linear.QuantLinear, quant_layout.h).
  * This file splits the work (quantize.c quantizes the activations; quant_types.c's table
  * leads a type to its dot product).
@@ -9,13 +9,16 @@
  *     Q8_0  d, int8 q[32]                   w_j = d q_j                     34 bytes
  *     Q4_0  d, uint8 qs[16]                 w_j = d (q_j - 8)               18 bytes
  *     Q4_1  d, m, uint8 qs[16]              w_j = d q_j + m                 20 bytes
- *           q_j = qs[j] & 15 for j < 16, qs[j - 16] >> 4 for j >= 16
+ *     MXFP4 uint8 e, qs[16]                 w_j = 2^(e - 128) v(q_j)        17 bytes
+ *           q_j = qs[j] & 15 for j < 16, qs[j - 16] >> 4 for j >= 16; v: MXFP4's E2M1
+ *           values doubled (quant_simd.h), e an E8M0 exponent byte
  *
  * The dot products the formats were designed for: each row of x is first quantized per block
  * of 32 to 8 bits (Q8A, quantize.c: dx = max|x| / 127, qx = round(x / dx), and
  * s = dx sum(qx)), so a block's contribution is one integer dot product and two scales:
  *
  *     Q8_0  d dx sum(q qx)        Q4_0  d (dx sum(q qx) - 8 s)        Q4_1  d dx sum(q qx) + m s
+ *     MXFP4 2^(e - 128) dx sum(v qx)
  *
  * With two passes (the default of QuantLinear) the rounding error x - dx qx is quantized the
  * same way into a second set of blocks and its dot product added: 8-bit x 8-bit arithmetic
@@ -48,7 +51,8 @@
 
 #include "kernels.h"
 
-/* The activation sums kernels.h describes (XSUM_Q6_K or XSUM_Q8_0) of block x, at s[0..2). */
+/* The activation sums kernels.h describes (XSUM_Q6_K, XSUM_Q8_0 or XSUM_MXFP4) of block x, at
+ * s[0..2). */
 static inline void block_xsum(int kind, const q8a_block *x, int32_t *s)
 {
     int32_t lo = 0, hi = 0;
@@ -57,7 +61,7 @@ static inline void block_xsum(int kind, const q8a_block *x, int32_t *s)
         s[0] = -32 * lo;
         s[1] = -32 * hi;
     } else {
-        s[0] = -128 * (lo + hi);
+        s[0] = (kind == XSUM_MXFP4 ? -12 : -128) * (lo + hi);
         s[1] = 0;
     }
 }

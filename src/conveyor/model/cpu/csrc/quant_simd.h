@@ -1,6 +1,7 @@
 /* Inline helpers of the GGUF block kernels (quant_x8_*.c, quant_k_*.c, quant_linear.c):
- * float16 scales, the integer dot of unsigned and signed bytes, broadcasts of activation
- * quants, the weights' software prefetch and the bf16 panel columns. */
+ * float16 and E8M0 scales, MXFP4's values, the integer dot of unsigned and signed bytes,
+ * broadcasts of activation quants, the weights' software prefetch and the bf16 panel
+ * columns. */
 #ifndef CONVEYOR_QUANT_SIMD_H
 #define CONVEYOR_QUANT_SIMD_H
 
@@ -42,6 +43,27 @@ static inline float half_to_float(uint16_t h)
 #endif
 }
 
+/* MXFP4's sixteen E2M1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated) doubled,
+ * as GGUF holds them: integers, so a block's dot product is an integer one; its scale is
+ * halved to match (e8m0_half). */
+#define MXFP4_VALUES 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+
+static inline int mxfp4_value(int nibble)
+{
+    static const int8_t values[16] = {MXFP4_VALUES};
+    return values[nibble & 15];
+}
+
+/* An E8M0 scale byte e (the float 2^(e - 127)) halved: the bits of 2^(e - 128), a subnormal
+ * for e < 2 (GGUF's decoding, ggml_e8m0_to_fp32_half; e = 255 is 2^127, no NaN). */
+static inline float e8m0_half(uint8_t e)
+{
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 #ifdef CONVEYOR_AVX2
 
 /* acc plus eight int32 sums, lane i over bytes 4i..4i+3 of u (unsigned) times s (signed):
@@ -68,6 +90,26 @@ static inline __m256 bytes8(const uint8_t *p, int is_signed)
 {
     const __m128i raw = _mm_loadl_epi64((const __m128i *)p);
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
+}
+
+/* Eight E8M0 scale bytes at p as e8m0_half's floats. */
+static inline __m256 e8m0_halves8(const uint8_t *p)
+{
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i is_tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, is_tiny));
+}
+
+/* MXFP4's values plus MXFP4_OFFSET (0 .. 24: unsigned, as dpbusd and maddubs take weights,
+ * and small enough that maddubs never saturates) as the byte table of a nibble lookup
+ * (shuffle_epi8) in each 128-bit lane; the dot products' sums start from -12 sum(qx)
+ * (XSUM_MXFP4) to take the offset off. */
+#define MXFP4_OFFSET 12
+static inline __m128i mxfp4_table(void)
+{
+    return _mm_add_epi8(_mm_setr_epi8(MXFP4_VALUES), _mm_set1_epi8(MXFP4_OFFSET));
 }
 
 /* Activation quants 4 g .. 4 g + 3 in every lane (the AVX2 paths). */
@@ -120,6 +162,16 @@ static inline void prefetch_slot(const uint8_t *block, int64_t bytes, int slot, 
 static inline __m512 halves16(const uint8_t *p)
 {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* Sixteen E8M0 scale bytes at p as e8m0_half's floats. */
+static inline __m512 e8m0_halves16(const uint8_t *p)
+{
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 is_tiny = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_tiny, normal, tiny));
 }
 
 static inline __m512 bytes16(const uint8_t *p, int is_signed)

@@ -1,10 +1,12 @@
-/* Q8_0, Q4_0 and Q4_1 (quant_layout.h) against 8-bit activation blocks, AVX-512BW: a tile of
- * up to QT activation rows (both passes) takes each 64-byte load of quants, unpacked once,
+/* Q8_0, Q4_0, Q4_1 and MXFP4 (quant_layout.h) against 8-bit activation blocks, AVX-512BW: a
+ * tile of up to QT activation rows (both passes) takes each 64-byte load of quants, unpacked once,
  * into every row's sums (dpbusd with AVX-512 VNNI, maddubs + madd without); per row the
  * integer sums and the float operations, in order, are those of the row alone (its result
  * does not depend on the tile). Per block and row the arithmetic is quant_linear.c's (its
  * header): d dx sum(q qx), minus 8 d s (Q4_0) or plus m s (Q4_1), with the second activation
- * pass added the same way. quant_x8_avx2.c and quant_x8_generic.c give the same sums.
+ * pass added the same way. MXFP4's nibbles become their values + 12 by one byte shuffle per
+ * load, Q4_0's arithmetic from there, the sums started from -12 sum(qx) (XSUM_MXFP4).
+ * quant_x8_avx2.c and quant_x8_generic.c give the same sums.
  */
 #include "kernels.h"
 
@@ -23,20 +25,26 @@ tile_x16(const int qtype, const int T, const uint8_t *w, int64_t nb, const q8a_b
     const int head = header_bytes(qtype);
     const __m512i nib = _mm512_set1_epi8(15);
     const int32_t *xsum2 = xsum ? xsum + 2 * (x2 - x) : 0;
-    (void)xsum2; /* read by the dpbusd path only */
+    (void)xsum2; /* read by MXFP4 and the dpbusd path of Q8_0 only */
+    const __m512i table = _mm512_broadcast_i32x4(mxfp4_table());
+    (void)table;
     __m512 acc0[QT], acc1[QT];
     for (int t = 0; t < T; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * bytes, *q = p + head;
         __m512i s[QT], s2[QT];
         for (int t = 0; t < T; t++) {
+            /* MXFP4 from -12 sum(qx), Q8_0 (dpbusd) from -128 sum(qx): the weights' offsets */
 #ifdef __AVX512VNNI__
-            if (qtype == Q8_0) { /* from -128 sum(qx): the weights' + 128 */
+            const int seeded = qtype == Q8_0 || qtype == MXFP4;
+#else
+            const int seeded = qtype == MXFP4;
+#endif
+            if (seeded) {
                 s[t] = _mm512_set1_epi32(xsum[2 * (t * ldx + b)]);
                 if (x2) s2[t] = _mm512_set1_epi32(xsum2[2 * (t * ldx + b)]);
                 continue;
             }
-#endif
             s[t] = s2[t] = _mm512_setzero_si512();
         }
         if (qtype == Q8_0) {
@@ -72,8 +80,12 @@ tile_x16(const int qtype, const int T, const uint8_t *w, int64_t nb, const q8a_b
             for (int g = 0; g < 4; g++) {
                 const __m512i v = _mm512_loadu_si512(q + 4 * QG * g);
                 prefetch_slot(p, bytes, g, 4);
-                const __m512i lo = _mm512_and_si512(v, nib);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                __m512i lo = _mm512_and_si512(v, nib);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                if (qtype == MXFP4) {
+                    lo = _mm512_shuffle_epi8(table, lo);
+                    hi = _mm512_shuffle_epi8(table, hi);
+                }
                 for (int t = 0; t < T; t++) {
                     const int8_t *xq = x[t * ldx + b].q;
                     s[t] = dot_acc512(dot_acc512(s[t], lo, bcast4(xq + 4 * g)), hi,
@@ -86,7 +98,7 @@ tile_x16(const int qtype, const int T, const uint8_t *w, int64_t nb, const q8a_b
                 }
             }
         }
-        const __m512 d = halves16(p);
+        const __m512 d = qtype == MXFP4 ? e8m0_halves16(p) : halves16(p);
         const __m512 m = qtype == Q4_1 ? halves16(p + 2 * QG) : d;
         for (int t = 0; t < T; t++) {
             const q8a_block *xb = x + t * ldx + b;

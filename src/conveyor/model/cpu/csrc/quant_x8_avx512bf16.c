@@ -1,4 +1,4 @@
-/* Q8_0, Q4_0 and Q4_1 groups (quant_layout.h) dequantized into one bf16 panel each for
+/* Q8_0, Q4_0, Q4_1 and MXFP4 groups (quant_layout.h) dequantized into one bf16 panel each for
  * quant_gemm.c (AVX-512BW with AVX512-BF16): the weights of dequantize_*_f32, rounded to
  * nearest even. */
 #include "kernels.h"
@@ -17,6 +17,19 @@ group_panel(const int qtype, const uint8_t *w, int64_t k, uint16_t *panel)
     /* weight j of a block starts pair j / 2 of its panel: panel + j * QG */
     for (int64_t b = 0; b < k / QK; b++, panel += QK * QG) {
         const uint8_t *p = w + b * bytes, *q = p + head;
+        if (qtype == MXFP4) { /* each nibble's value + 12, less 12, times 2^(e - 128) */
+            const __m512 e = e8m0_halves16(p), zero = _mm512_setzero_ps();
+            const __m512i table = _mm512_broadcast_i32x4(mxfp4_table());
+            for (int g = 0; g < 4; g++) {
+                const __m512i v = _mm512_loadu_si512(q + 4 * QG * g);
+                const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, nib));
+                const __m512i hi =
+                    _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+                panel_columns4(lo, MXFP4_OFFSET, e, zero, panel + 4 * g * QG);
+                panel_columns4(hi, MXFP4_OFFSET, e, zero, panel + (16 + 4 * g) * QG);
+            }
+            continue;
+        }
         const __m512 d = halves16(p);
         if (qtype == Q8_0) { /* stored + 128 */
             for (int g = 0; g < 8; g++)

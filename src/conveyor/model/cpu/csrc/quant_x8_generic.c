@@ -1,8 +1,6 @@
-/* Q8_0, Q4_0 and Q4_1 (quant_layout.h) in plain C: the dot products of a build without AVX2
- * (the same integer sums and float operations as quant_x8_avx512.c and quant_x8_avx2.c), and
- * the rows dequantized to float32 (every build: embedding lookups, prefill GEMMs). */
-#include <string.h>
-
+/* Q8_0, Q4_0, Q4_1 and MXFP4 (quant_layout.h) in plain C: the dot products of a build without
+ * AVX2 (the same integer sums and float operations as quant_x8_avx512.c and quant_x8_avx2.c),
+ * and the rows dequantized to float32 (every build: embedding lookups, prefill GEMMs). */
 #include "kernels.h"
 #include "quant_layout.h"
 #include "quant_simd.h"
@@ -12,7 +10,14 @@ static inline int quant(int qtype, const uint8_t *q, int r, int j)
     if (qtype == Q8_0) return (int)q[4 * QG * (j / 4) + 4 * r + j % 4] - 128;
     const int jj = j % 16;
     const uint8_t byte = q[4 * QG * (jj / 4) + 4 * r + jj % 4];
-    return j < 16 ? byte & 15 : byte >> 4;
+    const int nibble = j < 16 ? byte & 15 : byte >> 4;
+    return qtype == MXFP4 ? mxfp4_value(nibble) : nibble;
+}
+
+/* Row r's block scale: E8M0 (MXFP4) or float16 (the others). */
+static inline float scale(int qtype, const uint8_t *p, int r)
+{
+    return qtype == MXFP4 ? e8m0_half(p[r]) : half_at(p, r);
 }
 
 /* Plain C: the same integer sums per block, the same float operations in order. */
@@ -28,9 +33,7 @@ tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const
             float acc = 0.f, extra = 0.f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *p = w + b * bytes;
-                uint16_t h;
-                memcpy(&h, p + 2 * r, 2);
-                const float d = half_to_float(h);
+                const float d = scale(qtype, p, r);
                 int32_t isum = 0, isum2 = 0;
                 for (int j = 0; j < QK; j++) {
                     const int q = quant(qtype, p + head, r, j);
@@ -44,8 +47,7 @@ tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const
                     s += yt[b].s;
                 }
                 if (qtype == Q4_1) {
-                    memcpy(&h, p + 2 * QG + 2 * r, 2);
-                    extra += half_to_float(h) * s;
+                    extra += half_at(p + 2 * QG, r) * s;
                 } else if (qtype == Q4_0) {
                     extra += d * (-8.f * s);
                 }
@@ -55,7 +57,8 @@ tile_dot(const int qtype, const uint8_t *w, int64_t k, const q8a_block *x, const
     }
 }
 
-/* Row r of a group: d q (Q8_0, stored + 128), d (q - 8) (Q4_0), d q + m (Q4_1). */
+/* Row r of a group: d q (Q8_0, stored + 128; MXFP4, q its doubled E2M1 value and d
+ * 2^(e - 128)), d (q - 8) (Q4_0), d q + m (Q4_1). */
 static inline __attribute__((always_inline)) void
 row_dequantize(const int qtype, const uint8_t *w, int r, int64_t k, float *out)
 {
@@ -63,23 +66,16 @@ row_dequantize(const int qtype, const uint8_t *w, int r, int64_t k, float *out)
     const int head = header_bytes(qtype);
     for (int64_t b = 0; b < k / QK; b++, out += QK) {
         const uint8_t *p = w + b * bytes, *q = p + head;
-        uint16_t h;
-        memcpy(&h, p + 2 * r, 2);
-        const float d = half_to_float(h);
-        float mn = 0.f;
-        if (qtype == Q4_1) {
-            memcpy(&h, p + 2 * QG + 2 * r, 2);
-            mn = half_to_float(h);
-        }
+        const float d = scale(qtype, p, r);
+        const float mn = qtype == Q4_1 ? half_at(p + 2 * QG, r) : 0.f;
         for (int j = 0; j < QK; j++) {
-            if (qtype == Q8_0) {
-                out[j] = d * (float)((int)q[4 * QG * (j / 4) + 4 * r + j % 4] - 128);
-                continue;
-            }
-            const int jj = j % 16;
-            const uint8_t byte = q[4 * QG * (jj / 4) + 4 * r + jj % 4];
-            const int v = j < 16 ? byte & 15 : byte >> 4;
-            out[j] = qtype == Q4_1 ? d * (float)v + mn : d * (float)(v - 8);
+            const int v = quant(qtype, q, r, j);
+            if (qtype == Q4_1)
+                out[j] = d * (float)v + mn;
+            else if (qtype == Q4_0)
+                out[j] = d * (float)(v - 8);
+            else
+                out[j] = d * (float)v;
         }
     }
 }
