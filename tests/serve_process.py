@@ -131,11 +131,55 @@ _SLOW_STEP = textwrap.dedent(
 )
 
 
+# Holds a stage of a request for as long as a test needs, so that a signal finds it there:
+#   CONVEYOR_TEST_HOLD_GRAMMAR_WORKER  the grammar worker process never gets ready (its start
+#                                      is what a request's first grammar check waits for)
+#   CONVEYOR_TEST_HOLD_RENDER          every chat template render of `conveyor serve` waits
+#                                      until its request is cancelled, logging a line first
+_HOLDS = textwrap.dedent(
+    """
+    import os
+    import sys
+    if os.environ.get("CONVEYOR_TEST_HOLD_GRAMMAR_WORKER") and (
+        "conveyor.structured.grammar_worker" in sys.orig_argv
+    ):
+        while os.read(0, 1 << 16):  # its init frame, never answered, until the server goes
+            pass
+        os._exit(0)
+    if os.environ.get("CONVEYOR_TEST_HOLD_RENDER") and "serve" in sys.orig_argv:
+        import asyncio
+        from conveyor.server.context import ServingContext
+
+        async def _held_render(self, *args, **kwargs):
+            print("test hook: a chat template render is held", file=sys.stderr, flush=True)
+            await asyncio.Event().wait()
+
+        ServingContext.render_chat = _held_render
+    """
+)
+
+
+def _hooks_env(tmp_path: Path, **env: str) -> dict[str, str]:
+    """The environment that runs this module's hooks (those `env` turns on) in every Python
+    process of the server."""
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_STEP + _HOLDS)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, **env}
+
+
 def slow_step_env(tmp_path: Path, seconds: float) -> dict[str, str]:
     """The environment that makes an engine process's steps take `seconds` each."""
-    (tmp_path / "sitecustomize.py").write_text(_SLOW_STEP)
-    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path, "CONVEYOR_TEST_SLOW_STEP_S": str(seconds)}
+    return _hooks_env(tmp_path, CONVEYOR_TEST_SLOW_STEP_S=str(seconds))
+
+
+def held_grammar_worker_env(tmp_path: Path) -> dict[str, str]:
+    """The environment in which the server's grammar worker never gets ready."""
+    return _hooks_env(tmp_path, CONVEYOR_TEST_HOLD_GRAMMAR_WORKER="1")
+
+
+def held_render_env(tmp_path: Path) -> dict[str, str]:
+    """The environment in which the server's chat template renders never end."""
+    return _hooks_env(tmp_path, CONVEYOR_TEST_HOLD_RENDER="1")
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.serve_process import metric_value, start_server
+from tests.serve_process import held_render_env, metric_value, slow_step_env, start_server
 
 pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
 
@@ -129,4 +129,78 @@ def test_a_client_still_sending_its_request_does_not_hold_up_the_exit(
         assert b"shutting down" in answer
     finally:
         server.stop(signal.SIGKILL)
+    assert "Traceback" not in server.log()
+
+
+def test_a_request_cut_by_the_shutdown_backstop_gets_503(demo_model_dir, tmp_path) -> None:
+    """uvicorn cancels what still runs its graceful-shutdown timeout (the grace period + 5 s)
+    after SIGTERM; before, it answered such a request with a bare 500 and logged a traceback.
+    One cut before its response started gets the 503 error body every request refused at
+    shutdown gets. Its chat template render is held here (never ends): only the backstop
+    ends it."""
+    args = ["--model", str(demo_model_dir), "--num-kv-blocks", "64", "--shutdown-timeout", "1"]
+    server = start_server(args, tmp_path, env=held_render_env(tmp_path))
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        with ThreadPoolExecutor(1) as pool:
+            url = f"{server.base_url}/v1/chat/completions"
+            pending = pool.submit(httpx.post, url, json=body, timeout=120)
+            deadline = time.monotonic() + 120
+            while "a chat template render is held" not in server.log():
+                assert not pending.done(), pending.result().text
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            server.proc.send_signal(signal.SIGTERM)
+            r = pending.result()
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop(signal.SIGKILL)
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["type"] == "ServiceUnavailableError"
+    assert error["message"] == "The server is shutting down."
+    log = server.log()
+    assert "timeout graceful shutdown exceeded" in log  # the backstop, not the render, ended it
+    assert "Traceback" not in log
+
+
+@pytest.mark.parametrize(
+    "sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"], ids=["nothing", "part-of-head"]
+)
+def test_a_request_on_its_way_when_the_server_stops_listening_gets_503(
+    demo_model_dir, tmp_path, sent
+) -> None:
+    """A connection the server accepted, its request not (wholly) read when the server stops
+    listening: before, uvicorn closed it (a reset where the request's bytes came in after), so
+    its client got no answer; now it gets 503, as one still sending its body does. A stream in
+    flight keeps the draining server listening until the connection is in."""
+    args = ["--model", str(demo_model_dir), "--num-kv-blocks", "64", "--shutdown-timeout", "60"]
+    server = start_server(args, tmp_path, env=slow_step_env(tmp_path, 0.05))
+    url = server.base_url
+    try:
+        body = {"prompt": "long", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            next(stream.iter_lines())  # it runs (for 50 s): the drain waits for it
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            sock.sendall(sent)
+            server.proc.send_signal(signal.SIGTERM)
+            # Draining: the server took the connection above (and read what it sent) before
+            # it read this later one.
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{url}/health").status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        # The stream's client left: nothing is in flight, so the server stops listening and
+        # closes its connections.
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        sock.close()
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop(signal.SIGKILL)
+    assert answer.startswith(b"HTTP/1.1 503 "), answer[:100]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"] == (
+        "The server is shutting down."
+    )
     assert "Traceback" not in server.log()

@@ -9,11 +9,13 @@ process counts, with time bounds only far above what the checks need.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from tests.process_tree import children
+from tests.serve_process import held_grammar_worker_env
 
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.structured.grammar import GrammarError, GrammarTimeoutError
@@ -195,5 +197,69 @@ def test_close_kills_the_checks_in_flight_at_once(demo_model_dir):
         with pytest.raises(GrammarCheckerUnavailableError):
             await pending
         assert proc.poll() is not None
+
+    asyncio.run(main())
+
+
+# After close() (the server stops), no check may wait on a worker that nobody answers for or
+# start one: before, each of the three cases below left its request hanging, until uvicorn's
+# shutdown backstop cut it with a 500.
+
+
+def test_close_fails_a_check_waiting_for_the_worker_to_start(demo_model_dir, tmp_path, monkeypatch):
+    for name, value in held_grammar_worker_env(tmp_path).items():
+        monkeypatch.setenv(name, value)  # the worker never gets ready
+
+    async def main():
+        checker = _checker(demo_model_dir)
+        pending = asyncio.ensure_future(checker.check(_small(), "g", "a"))
+        while checker._proc is None:  # set just before the start waits for the worker
+            await asyncio.sleep(0.01)
+        proc = checker._proc
+        checker.close()
+        with pytest.raises(GrammarCheckerUnavailableError, match="shutting down"):
+            await asyncio.wait_for(pending, 60)  # before: never answered
+        assert proc.poll() is not None
+
+    asyncio.run(main())
+
+
+def test_close_while_the_vocabulary_is_read_starts_no_worker(demo_model_dir):
+    async def main():
+        checker = _checker(demo_model_dir)
+        reading, go_on = threading.Event(), threading.Event()
+        read = checker._tokenizer_info
+
+        def held_read() -> str:
+            reading.set()
+            go_on.wait(60)
+            return read()
+
+        checker._tokenizer_info = held_read
+        pending = asyncio.ensure_future(checker.check(_small(), "g", "a"))
+        try:
+            while not reading.is_set():
+                await asyncio.sleep(0.01)
+            checker.close()
+            go_on.set()
+            with pytest.raises(GrammarCheckerUnavailableError, match="shutting down"):
+                await asyncio.wait_for(pending, 60)
+            assert checker._proc is None
+        finally:
+            go_on.set()
+            checker.close()
+
+    asyncio.run(main())
+
+
+def test_a_check_after_close_fails_at_once_and_starts_no_worker(demo_model_dir):
+    async def main():
+        checker = _checker(demo_model_dir)
+        assert (await _outcome(checker, _small("warm")))[0] == "ok"
+        checker.close()
+        for so in (_small("warm"), _small("new")):  # cached or not
+            with pytest.raises(GrammarCheckerUnavailableError, match="shutting down"):
+                await asyncio.wait_for(checker.check(so, "g", "a"), 60)
+        assert checker._proc is None
 
     asyncio.run(main())

@@ -11,12 +11,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
 from tests.process_tree import children, cmdline, cpu_seconds, rss_mb, tree
-from tests.serve_process import start_server
+from tests.serve_process import held_grammar_worker_env, start_server
 
 pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
 
@@ -41,10 +42,24 @@ def _grammar_checks_running(pid: int) -> int:
     return sum(len(children(w)) for w in workers)
 
 
-def _serve(demo_model_dir, tmp_path_factory, *extra: str):
+def _grammar_workers(pid: int) -> int:
+    return sum("grammar_worker" in cmdline(p) for p in tree(pid))
+
+
+def _wait_for(what: str, condition: Callable[[], bool], pending: list[Future]) -> None:
+    """Until `condition()` holds (polled); fails if a request in `pending` ended first."""
+    deadline = time.monotonic() + 120  # far above what any machine needs
+    while not condition():
+        ended = [f.result() for f in pending if f.done()]
+        assert not ended, f"a request ended before {what}: {ended}"
+        assert time.monotonic() < deadline, f"no {what} after 120 s"
+        time.sleep(0.05)
+
+
+def _serve(demo_model_dir, tmp_path_factory, *extra: str, env: dict | None = None):
     args = ["--model", str(demo_model_dir), "--served-model-name", MODEL,
             "--num-kv-blocks", "256", *extra]  # fmt: skip
-    return start_server(args, tmp_path_factory.mktemp("serve"))
+    return start_server(args, tmp_path_factory.mktemp("serve"), env)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +138,10 @@ def test_sigterm_does_not_wait_for_a_running_compile(demo_model_dir, tmp_path_fa
         with ThreadPoolExecutor(2) as pool:
             pending = [pool.submit(_chat, server, {"guided_grammar": _optional_terms(t)})
                        for t in "cd"]  # fmt: skip
-            time.sleep(1.5)  # both are being checked (minutes of compiling each)
+            # A compile (minutes of one) has begun, however loaded the machine: a fixed sleep
+            # could end before it, with the requests in an earlier stage.
+            pid = server.proc.pid
+            _wait_for("grammar check running", lambda: _grammar_checks_running(pid) > 0, pending)
             start = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
             try:
@@ -134,3 +152,37 @@ def test_sigterm_does_not_wait_for_a_running_compile(demo_model_dir, tmp_path_fa
             assert {f.result()[0] for f in pending} <= {503}  # told, not left hanging
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_sigterm_while_the_grammar_worker_starts_is_a_503_not_a_500(
+    demo_model_dir, tmp_path_factory
+):
+    """A request whose check waited for the grammar worker to start when the grace period
+    ended: before, the start was never failed, so the request hung until uvicorn's backstop
+    (the grace period + 5 s) cancelled it with a bare 500; under load the worker starts slowly
+    enough for SIGTERM to find test_sigterm_does_not_wait_for_a_running_compile's requests
+    there. The worker is held here (it never gets ready), so SIGTERM always finds it so."""
+    tmp = tmp_path_factory.mktemp("held-worker")
+    server = _serve(demo_model_dir, tmp_path_factory, "--shutdown-timeout", "1",
+                    env=held_grammar_worker_env(tmp))  # fmt: skip
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            body = {"model": MODEL, "max_tokens": 4, "guided_grammar": 'root ::= "a" | "b"',
+                    "messages": [{"role": "user", "content": "a or b?"}]}  # fmt: skip
+            url = f"{server.base_url}/v1/chat/completions"
+            pending = pool.submit(httpx.post, url, json=body, timeout=120)
+            pid = server.proc.pid
+            _wait_for("grammar worker started", lambda: _grammar_workers(pid) > 0, [pending])
+            server.proc.send_signal(signal.SIGTERM)
+            r = pending.result()
+            assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop(signal.SIGKILL)
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["param"] == "guided_grammar"
+    assert error["message"] == "The server is shutting down."
+    log = server.log()
+    # Answered when the grace period ended, not cut by uvicorn's backstop.
+    assert "timeout graceful shutdown exceeded" not in log
+    assert "Traceback" not in log

@@ -12,6 +12,7 @@ in server/offload.py's threads; errors go through errors.py.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -75,6 +76,47 @@ class _APIKeyMiddleware:
             return
         message = "Missing or invalid API key: send the header 'Authorization: Bearer <key>'."
         await JSONResponse(error_body(message, 401), status_code=401)(scope, receive, send)
+
+
+class _ShutdownCut:
+    """Pure ASGI: uvicorn cancels the requests still running its graceful-shutdown timeout
+    after SIGTERM (launch.py: the grace period + 5 s) and answers each with a bare 500. One
+    cut so before its response started gets the 503 that every request refused while the
+    server stops gets instead (a started response is only ended, as before)."""
+
+    def __init__(self, app: ASGIApp, engine: AsyncLLM) -> None:
+        self.app = app
+        self._engine = engine
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+            return
+        except asyncio.CancelledError:
+            reason = self._not_serving()
+            if started or reason is None:  # not the server stopping: not ours to answer
+                raise
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):  # 3.11+ counts cancellations
+                task.uncancel()  # handled: answered below
+        await error_response(reason, 503)(scope, receive, send)
+
+    def _not_serving(self) -> str | None:
+        try:
+            self._engine.check_health()
+        except EngineNotRunningError as exc:
+            return str(exc)
+        return None
 
 
 def build_app(
@@ -255,6 +297,8 @@ def build_app(
         return DetokenizeResponse(prompt=text)
 
     document_errors_as_400(app)
+    # Innermost: whatever stage a request is in when shutdown cuts it, it gets a 503.
+    app.add_middleware(_ShutdownCut, engine=engine)
     if api_keys:
         open_paths = tuple(
             p for p in _OPEN_PATHS if p != "/metrics" or not config.metrics_require_api_key

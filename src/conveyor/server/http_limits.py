@@ -20,7 +20,8 @@ protocol here counts and times what arrives, before the parser holds it:
 A refused or timed-out connection gets its error body with `connection: close`; what the
 client still sends is read and dropped for a moment, then the socket closes (closing at once
 could reset it before the client reads the answer). At shutdown a connection still sending its
-request is answered 503 and closed, so a slow client cannot hold the process open.
+request (or connected but not yet sending it) is answered 503 and closed, so a slow client
+cannot hold the process open and a request that was on its way is told, not reset.
 """
 
 from __future__ import annotations
@@ -141,7 +142,11 @@ class _LimitedProtocol(HttpToolsProtocol):
             self.table.mark_idle(self)
 
     def shutdown(self) -> None:
-        if self._phase == _BODY and not self._closing:  # the request will never be served
+        # A request on its way (its head or body partly in, or a new connection's not read
+        # yet) will never be served: 503, where a plain close resets it once its bytes come.
+        # An idle keep-alive connection is only closed.
+        arriving = self._phase == _HEAD and (self.cycle is None or self._head_bytes > 0)
+        if (self._phase == _BODY or arriving) and not self._closing:
             self._close_with(503, "The server is shutting down.")
         else:
             super().shutdown()

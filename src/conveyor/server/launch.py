@@ -5,8 +5,11 @@ On SIGTERM or Ctrl-C:
     0..grace   in-flight requests run on and finish normally
     t = grace  the rest are aborted: their streams end with finish_reason "abort" and [DONE]
     then       (or as soon as nothing is in flight) uvicorn closes the socket (a connection
-               still sending its request gets 503: server/http_limits.py), the engine loop
-               stops and the process exits with status 0
+               still sending its request, or with none read yet, gets 503:
+               server/http_limits.py), the engine loop stops and the process exits with
+               status 0. A request not yet queued (its output constraint or chat template
+               still in hand) gets 503 too, at the latest at uvicorn's backstop, the grace
+               period + 5 s (server/app.py)
 A second signal exits at once (uvicorn's force exit).
 
 If the engine dies (its process is killed or crashes), its in-flight requests end with an

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 EXPRESS_BUDGET_S = 0.5
 CACHE_ENTRIES = 4096
+SHUTTING_DOWN = "The server is shutting down."
 
 
 class TooManyGrammarChecksError(GrammarError):
@@ -151,6 +152,7 @@ class GrammarChecker:
         self._out = bytearray()  # to its stdin
         self._read_fd = -1
         self._ready: asyncio.Future[None] | None = None
+        self._closed = False  # close() is for good: no check runs and no worker starts after
         self.num_checks = self.num_killed = self.num_demoted = 0
 
     # ------------------------------------------------------------------ the server's side
@@ -166,10 +168,13 @@ class GrammarChecker:
             GrammarError (a ValueError: 400) or a ConstraintLimitError: refused, with the
                 message the worker gave; GrammarTimeoutError: not checked in time.
             TooManyGrammarChecksError: the client has max_per_client checks in flight (429).
-            GrammarCheckerUnavailableError: the worker process did not start (503).
+            GrammarCheckerUnavailableError: the worker process did not start, or the checker
+                was closed (503).
         """
         if so.kind == "json_object":  # one fixed grammar: nothing a client can make slow
             return None
+        if self._closed:
+            raise GrammarCheckerUnavailableError(SHUTTING_DOWN)
         key = hashlib.sha256(repr(so.key).encode("utf-8", "surrogatepass")).digest()
         future = self._inflight.get(key)
         if future is None:
@@ -202,7 +207,17 @@ class GrammarChecker:
         return future
 
     def close(self) -> None:
-        """Kill the worker and every check it runs (nothing waits for them)."""
+        """Kill the worker and every check it runs (nothing waits for them), for good: a
+        start under way and any check asked for later fail at once (503), so no request of a
+        server that stops waits for a worker that will never answer, nor starts a new one."""
+        self._closed = True
+        ready = self._ready
+        self._stop_worker()
+        if ready is not None and not ready.done():
+            ready.set_exception(GrammarCheckerUnavailableError(SHUTTING_DOWN))
+
+    def _stop_worker(self) -> None:
+        """Kill the worker and fail its checks (503); the next check starts a new one."""
         proc, self._proc = self._proc, None
         if self._loop is not None and self._read_fd >= 0:
             with contextlib.suppress(Exception):
@@ -217,17 +232,18 @@ class GrammarChecker:
             proc.wait()
         for lane in self._lanes.values():
             for check in [*lane.running.values(), *lane.waiting()]:
-                self._finish(check, ("The server is shutting down.", "closed"), cache=False)
+                self._finish(check, (SHUTTING_DOWN, "closed"), cache=False)
             lane.running.clear()
             lane.queues.clear()
 
     # ------------------------------------------------------------------ the worker process
     async def _ensure_started(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            return
-        if self._starting is None or self._starting.done():
-            self._starting = asyncio.get_running_loop().create_task(self._start())
-        await asyncio.shield(self._starting)
+        if self._proc is None or self._proc.poll() is not None:
+            if self._starting is None or self._starting.done():
+                self._starting = asyncio.get_running_loop().create_task(self._start())
+            await asyncio.shield(self._starting)
+        if self._closed:  # between the start and this check: _pump would never send it
+            raise GrammarCheckerUnavailableError(SHUTTING_DOWN)
 
     def _tokenizer_info(self) -> str:
         import xgrammar as xgr
@@ -243,6 +259,8 @@ class GrammarChecker:
         self._loop = asyncio.get_running_loop()
         if "tokenizer_info" not in self._init:  # (a vocabulary's walk: off the event loop)
             self._init["tokenizer_info"] = await asyncio.to_thread(self._tokenizer_info)
+        if self._closed:  # closed while the vocabulary was read: no worker to leave behind
+            raise GrammarCheckerUnavailableError(SHUTTING_DOWN)
         read_fd, write_fd = os.pipe()
         env = {**os.environ, **SINGLE_THREADED_ENV}
         try:
@@ -263,7 +281,7 @@ class GrammarChecker:
         try:
             await ready
         except GrammarCheckerUnavailableError:
-            self.close()
+            self._stop_worker()
             raise
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -303,7 +321,7 @@ class GrammarChecker:
     def _worker_died(self) -> None:
         logger.error("The grammar worker process ended; it restarts on the next check.")
         ready = self._ready
-        self.close()
+        self._stop_worker()
         if ready is not None and not ready.done():
             ready.set_exception(GrammarCheckerUnavailableError(
                 "Output constraints cannot be checked right now: the grammar worker did not "
