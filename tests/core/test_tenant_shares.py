@@ -9,7 +9,7 @@ from tests.core.test_scheduler import CostClock
 from conveyor.config import EngineConfig
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import Sequence
-from conveyor.core.tenant_shares import StepCost, TenantShares
+from conveyor.core.tenant_shares import RowCost, TenantShares
 from conveyor.sampling_params import SamplingParams
 
 
@@ -26,32 +26,45 @@ def scheduler(clock: CostClock) -> Scheduler:
     return Scheduler(config, clock=clock)
 
 
-def test_the_step_cost_fit_finds_the_fixed_part_and_the_cost_of_a_token():
-    cost = StepCost()
+def test_the_row_cost_line_finds_the_lightests_step_and_the_cost_of_a_row():
+    cost = RowCost()
     assert cost.fit() is None
-    for tokens in [1, 17, 2, 16, 3, 1, 17, 9] * 3:
-        cost.observe(tokens, 0.004 + 0.002 * tokens)
-    fixed, per_token = cost.fit()
-    assert fixed == pytest.approx(0.004) and per_token == pytest.approx(0.002)
-    same = StepCost()
-    for _ in range(20):  # steps all of one size cannot tell the two apart
-        same.observe(16, 0.05)
+    for rows in [1, 0, 2, 1, 3, 0, 1, 2] * 3:
+        cost.observe(rows, 0.004 + 0.002 * rows)
+    alone, per_row = cost.fit()
+    assert alone == pytest.approx(0.004) and per_row == pytest.approx(0.002)
+    same = RowCost()
+    for _ in range(20):  # steps all with as many rows cannot tell the two apart
+        same.observe(2, 0.05)
     assert same.fit() is None
 
 
-def test_the_lightest_tenant_gets_all_it_has_and_the_others_split_the_rest():
+def test_the_lightest_tenant_gets_all_it_has_and_the_others_share_out_the_rest():
     shares = TenantShares()
-    assert shares.allowances({"a": 16}, {"a": 16}) is None  # one tenant: no limit
-    # Unknown step costs: the others' decode rows are half the lightest's tokens, at least one.
-    assert shares.allowances({"a": 16, "b": 1}, {"a": 16, "b": 1}) == {"a": 1}
-    assert shares.allowances({"a": 16, "b": 40}, {"a": 16}) == {}  # b, prefilling, is lightest
-    assert shares.allowances({"a": 16, "b": 41}, {"a": 16, "b": 1}) == {"b": 1}
-    for tokens in [1, 17, 2, 16, 3, 9] * 4:  # a step's fixed part costs 10 tokens
-        shares.cost.observe(tokens, 0.010 + 0.001 * tokens)
-    # others: 0.5 x (10 + 2) = 6 rows, split evenly; one needing fewer leaves it to the rest
-    tokens = {"a": 16, "b": 2, "c": 30}
-    assert shares.allowances(tokens, {"a": 16, "b": 2, "c": 30}) == {"a": 3, "c": 3}
-    assert shares.allowances(tokens, {"a": 1, "b": 2, "c": 30}) == {"a": 1, "c": 5}
+    assert shares.allowances({"a": (16, 16)}, {"a": 16}) is None  # one tenant: no limit
+    # Until the times are known: each other tenant its base (as many rows as the lightest
+    # has requests), and one row beyond, in turn.
+    work = {"a": (16, 16), "b": (1, 1), "c": (2, 2)}
+    rows = {"a": 16, "b": 1, "c": 2}
+    given = []
+    for _ in range(4):
+        allow = shares.allowances(work, rows)
+        assert set(allow) == {"a", "c"} and sum(allow.values()) == 3  # b, the lightest: all
+        given.append(max(allow, key=allow.get))
+        shares.spend(3)
+    assert given == ["a", "c", "a", "c"]
+    # The fewest requests is the lightest, whatever its tokens: a prompt is not a row.
+    assert set(shares.allowances({"a": (16, 16), "b": (1, 40)}, {"a": 16})) == {"a"}
+    # Known times: a step alone 10 ms, a row 1 ms: the others get 0.5 x 10 = 5 rows a step,
+    # their base (1 each) included.
+    for r in [0, 1, 2, 3, 1, 0, 2, 4] * 4:
+        shares.cost.observe(r, 0.010 + 0.001 * r)
+    shares.credit = 0.0
+    allow = shares.allowances({"a": (16, 16), "b": (1, 1), "c": (30, 30)}, rows | {"c": 30})
+    assert sorted(allow.values()) == [2, 3] and set(allow) == {"a", "c"}
+    # Tenants alike are never held back: three clients of one stream each.
+    alike = shares.allowances({"a": (1, 1), "b": (1, 1), "c": (1, 1)}, {"a": 1, "b": 1, "c": 1})
+    assert alike == {"b": 1, "c": 1}
 
 
 def test_a_steady_request_beside_another_tenants_sixteen_samples_keeps_its_steps_short():
@@ -65,27 +78,27 @@ def test_a_steady_request_beside_another_tenants_sixteen_samples_keeps_its_steps
         sched.add_request(r)
     for _ in range(5):
         clock.step(sched)
-    steady = request("steady", "steady", prompt=6, max_tokens=8)
+    steady = request("steady", "steady", prompt=6, max_tokens=60)
     sched.add_request(steady)
     steps = []
     while not steady.is_finished:
         steps.append(clock.step(sched))
     alone = clock.BASE_S + clock.PER_TOKEN_S  # a decode step of the steady request alone
     times = [clock.BASE_S + clock.PER_TOKEN_S * o.total_num_scheduled_tokens for o in steps]
-    # Its prompt step (before any step beside it was timed) aside, each of its steps takes
-    # at most 1 + SHARE times its own.
-    assert max(times[2:]) <= (1 + TenantShares.SHARE) * alone + 1e-9, times
+    # Once the times are measured, each of its steps takes at most 1 + SHARE times its own
+    # (the attacker's one base row: 2 / 4 ms beside it).
+    assert max(times[20:]) <= (1 + TenantShares.SHARE) * alone + 1e-9, times
     # The attacker still advances, every one of its samples in turn.
     served: dict[str, int] = {}
-    for out in steps[2:]:
+    for out in steps[20:36]:
         for rid in out.num_scheduled_tokens:
             served[rid] = served.get(rid, 0) + 1
-    attacker = [rid for rid in served if rid != "steady"]
-    assert len(attacker) == len(steps) - 2 <= len(samples)  # a different one each step
-    assert all(served[rid] == 1 for rid in attacker)
+    assert sorted(served.pop("steady") for _ in [0]) == [16]
+    assert sorted(served) == sorted(r.request_id for r in samples)  # each once in 16 steps
+    assert set(served.values()) == {1}
 
 
-def test_the_share_holds_for_a_client_that_comes_back_and_then_lets_go():
+def test_the_engine_waits_for_a_client_that_comes_back_and_then_lets_go():
     clock = CostClock()
     clock.BASE_S, clock.PER_TOKEN_S = 0.002, 0.002
     sched = scheduler(clock)
@@ -93,19 +106,28 @@ def test_the_share_holds_for_a_client_that_comes_back_and_then_lets_go():
         sched.add_request(request(f"s{i}", "attacker", max_tokens=400))
     for _ in range(3):
         clock.step(sched)
-    steady = request("steady", "steady", prompt=6, max_tokens=4)
-    sched.add_request(steady)
-    while not steady.is_finished:
-        clock.step(sched)
-    # Its next request comes within GRACE_STEPS steps: those steps stay short for it.
-    after = [clock.step(sched).total_num_scheduled_tokens for _ in range(4)]
-    assert after[: TenantShares.GRACE_STEPS] == [1] * TenantShares.GRACE_STEPS
-    assert after[TenantShares.GRACE_STEPS :] == [16, 16]  # then the attacker has it all
+    holds = []
+    for i in range(10):  # a client sending one request after another, 1 ms apart
+        steady = request(f"steady{i}", "steady", prompt=6, max_tokens=4)
+        steady.arrival_time = clock.now
+        sched.add_request(steady)
+        assert sched.hold_s() == 0.0  # its request is here: no wait
+        while not steady.is_finished:
+            clock.step(sched)
+        holds.append(sched.hold_s())
+        clock.now += 0.001
+    # Once a few of its gaps were seen, the engine waits about as long as they took rather
+    # than run the 16 rows alone (8.5 of its steps), which its next request would wait for.
+    assert holds[0] == 0.0
+    assert holds[-4:] == [pytest.approx(0.001 + TenantShares.GAP_MARGIN_S)] * 4
+    clock.now += 1.0  # it does not come back: no more waiting, the attacker has it all
+    assert sched.hold_s() == 0.0
+    assert clock.step(sched).total_num_scheduled_tokens == 16
 
 
-def test_another_tenants_prompt_is_not_held_back():
-    # A new client's prompt runs whole beside 16 other clients' decodes (its first token is
-    # not delayed); only decode rows are shared out.
+def test_clients_alike_are_not_held_back_nor_a_new_clients_prompt():
+    # 16 clients of one stream each all decode every step; a new client's prompt runs whole
+    # beside them (its first token is not delayed): only decode rows are shared out.
     clock = CostClock()
     clock.BASE_S, clock.PER_TOKEN_S = 0.002, 0.002
     sched = scheduler(clock)

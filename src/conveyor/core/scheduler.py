@@ -139,6 +139,7 @@ class Scheduler:
         request.status = SequenceStatus.WAITING
         self.requests[request.request_id] = request
         self.long_prefills.arrived(request.arrival_time)
+        self.tenant_shares.arrived(request.tenant, request.arrival_time)
         self.policy.on_enqueue(request, self.waiting.append(request))
         deadline_at = request.deadline_at
         if deadline_at != math.inf:
@@ -147,7 +148,14 @@ class Scheduler:
     def hold_s(self) -> float:
         """Seconds the engine loop may wait for a new request before the next step: > 0 only
         when that step would run long prefills alone right after other work ended
-        (LongPrefills.hold_s)."""
+        (LongPrefills.hold_s), or one tenant's work alone right after another tenant's
+        ended (TenantShares.hold_s)."""
+        hold = self._long_hold_s() or self._tenant_hold_s()
+        if hold:  # the wait is no part of the previous step's time (the rules' observe)
+            self._step_tokens = 0
+        return hold
+
+    def _long_hold_s(self) -> float:
         rule = self.long_prefills
         if not (rule.threshold and rule.after_others and self.has_unfinished_requests()):
             return 0.0
@@ -155,10 +163,15 @@ class Scheduler:
             return 0.0
         if not all(rule.is_long_waiting(r, r.num_tokens) for r in self.waiting):
             return 0.0
-        hold = rule.hold_s(self.clock())
-        if hold:  # the wait is no part of the previous step's time (LongPrefills.observe)
-            self._step_tokens = 0
-        return hold
+        return rule.hold_s(self.clock())
+
+    def _tenant_hold_s(self) -> float:
+        shares = self.tenant_shares
+        if not shares.may_hold():
+            return 0.0
+        looked_at = itertools.islice(self.waiting, shares.WAITING_LOOKED_AT)
+        tenants = {r.tenant for r in self.running} | {r.tenant for r in looked_at}
+        return shares.hold_s(self.clock(), tenants, len(self.running))
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks.
@@ -182,7 +195,7 @@ class Scheduler:
             seconds = now - self._step_at
             rule.observe(self._step_tokens - self._step_long, self._step_long, seconds)
             if not self._step_long:
-                self.tenant_shares.cost.observe(self._step_tokens, seconds)
+                self.tenant_shares.observe(seconds)
         if self._deadlines and self._deadlines[0][0] <= now:
             self._expire_deadlines(now)
 
@@ -198,13 +211,16 @@ class Scheduler:
         # With no free KV block the long-prefill rule is off: a long prefill then holds blocks
         # that others wait for, and it must finish (in running order, as any) to free them.
         pressed = self.block_manager.num_free_blocks == 0
-        order, allow = self._tenant_order(pressed)
+        order, allow, given = self._tenant_order(pressed, now)
         budget, stopped = self._schedule_running(
             order, budget, scheduled, num_scheduled, preempted_ids,
             None if pressed else longs, None, rule.threshold if pressed else 0, allow,
         )  # fmt: skip
         if allow is not None:  # back in running order (tenants were taken in rotation)
             scheduled[:] = [r for r in running if r.request_id in num_scheduled]
+            self.tenant_shares.spend(given - sum(allow.values()))
+        else:
+            self.tenant_shares.spend(0)
         others = self.max_num_batched_tokens - budget
         long_tokens = 0
         waiting_long = False
@@ -252,10 +268,13 @@ class Scheduler:
             admitted=admitted,
         )
 
-    def _tenant_order(self, pressed: bool) -> tuple[list[Sequence], dict[str, int] | None]:
-        """The running requests in the order the step takes them, and the decode rows each
-        tenant may take (core/tenant_shares.py; None: no limit). Long prefills are not counted (they
-        have their own share) unless `pressed` (no free block: the long rule is off)."""
+    def _tenant_order(
+        self, pressed: bool, now: float
+    ) -> tuple[list[Sequence], dict[str, int] | None, int]:
+        """The running requests in the order the step takes them, the decode rows each
+        tenant may take (core/tenant_shares.py; None: no limit) and their sum. Long prefills
+        are not counted (they have their own share) unless `pressed` (no free block: the
+        long rule is off)."""
         running, shares = self.running, self.tenant_shares
         threshold = 0 if pressed else self.long_prefills.threshold
         work = [
@@ -265,16 +284,16 @@ class Scheduler:
         ]
         seats = len(running) < self.max_num_seqs and self.block_manager.num_free_blocks > 0
         waiting = itertools.islice(self.waiting, shares.WAITING_LOOKED_AT) if seats else ()
-        allow = shares.allowances(*shares.demands(work, waiting))
+        allow = shares.allowances(*shares.demands(work, waiting, now))
         if allow is None:
-            return running[:], None
+            return running[:], None, 0
         by_tenant: dict[str, list[Sequence]] = {}
         for r in running:
             by_tenant.setdefault(r.tenant, []).append(r)
         order: list[Sequence] = []
         for tenant, reqs in by_tenant.items():
             order += shares.rotate(tenant, reqs, allow.get(tenant, len(reqs)))
-        return order, allow
+        return order, allow, sum(allow.values())
 
     def _short_request_waits(self) -> bool:
         """Whether one of the first few waiting requests is a short one never preempted (a
