@@ -778,6 +778,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def schedule(self):
         # With no free block at the step's start the long-prefill share is off (scheduler.py)
+        self.was_pressed = getattr(self, "pressed", False)
         self.pressed = self.sched.block_manager.num_free_blocks == 0
         out = self.sched.schedule()
         cfg, bm = self.config, self.sched.block_manager
@@ -829,7 +830,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 # The share comes from what the running others took before any admission.
                 new = {r.request_id for r in out.admitted} | {r.request_id for r in longs}
                 others = sum(k for rid, k in n.items() if rid not in new)
-                if not out.preempted_request_ids and not others:  # alone: the doubling
+                # Alone: the doubling (unless the step before had no free block: its long
+                # prompts then ran in place, as any request, and the rule counts them its way).
+                if not out.preempted_request_ids and not others and not self.was_pressed:
                     ramp = min(threshold, max(1, 2 * self.last_long_tokens))
                     assert long_total <= max(len(longs), ramp)
             else:  # the rule counts only the long prompts admitted (the running ones ran in
@@ -1033,3 +1036,27 @@ def test_preemption_frees_no_seat_for_a_long_prompt_admission_would_pass_over(lo
     sched.add_request(z)
     victims = sched.policy.select_preemptions(sched.running, sched.waiting, now[0])
     assert victims == ([] if long_threshold else [x])
+
+
+@pytest.mark.parametrize("max_partial", [1, 2])
+def test_preemption_frees_no_seat_for_a_prompt_admission_would_leave_waiting(max_partial):
+    # X, a prompt in progress, is the one partial prefill allowed; Z (waiting, higher
+    # priority than Y) is longer than a step's budget, so admission passes it over while X
+    # is in progress. Preempting Y for Z would hand Y's seat to the next waiting request,
+    # and the state machine found Y and that request preempting each other forever.
+    sched = make_scheduler(
+        scheduler="priority", max_num_seqs=2, max_num_batched_tokens=20,
+        max_num_partial_prefills=max_partial, long_prefill_token_threshold=0,
+    )  # fmt: skip
+    x, y = make_request("x", 60, max_tokens=1), make_request("y", 3, max_tokens=50)
+    z = make_request("z", 30)
+    for req, priority in ((x, 0), (y, 2), (z, 1)):
+        req.sampling_params.priority = priority
+    sched.add_request(y)
+    step(sched)
+    sched.add_request(x)
+    step(sched)
+    assert [r.request_id for r in sched.running] == ["y", "x"] and x.num_computed_tokens < 60
+    sched.add_request(z)
+    victims = sched.policy.select_preemptions(sched.running, sched.waiting, 0.0)
+    assert victims == ([] if max_partial == 1 else [y])

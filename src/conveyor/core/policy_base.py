@@ -31,6 +31,9 @@ class PolicyKnobs:
     # requests admission will take (core/admission.py passes some long prompts over).
     long_prefill_token_threshold: int
     max_long_partial_prefills: int
+    # ... and the prompts a step may leave unfinished (admission passes more over).
+    max_num_partial_prefills: int
+    max_num_batched_tokens: int
 
     @classmethod
     def of(cls, config: EngineConfig) -> PolicyKnobs:
@@ -52,6 +55,8 @@ class SchedulingPolicy(ABC):
         self.max_num_seqs = knobs.max_num_seqs
         self.long_threshold = knobs.long_prefill_token_threshold
         self.max_long_partial = knobs.max_long_partial_prefills
+        self.max_partial = knobs.max_num_partial_prefills
+        self.step_budget = knobs.max_num_batched_tokens
         self.block_manager = block_manager
 
     @abstractmethod
@@ -143,7 +148,11 @@ class SchedulingPolicy(ABC):
         takes victims, worst first, while it `outranks` them; if it still does not fit, the
         plan stops there (admission is in order: nobody behind it may pass). A long prefill
         that admission would pass over (as many in progress as `max_long_partial_prefills`
-        allows) is skipped.
+        allows) is skipped, and so is a prompt longer than a step's budget while as many
+        prompts as `max_num_partial_prefills` allows are in progress, its victims aside
+        (counting every running prompt not done: a candidate skipped wrongly only waits its
+        turn, one preempted for wrongly would let another take its seat and be the next
+        victim, a livelock).
 
         Blocks are estimated: free blocks, less what the running requests need to cover their
         known tokens this step, plus what each victim gives back.
@@ -172,6 +181,11 @@ class SchedulingPolicy(ABC):
         seats = self.max_num_seqs - len(running)
         free = math.inf if bm is None else bm.num_free_blocks - sum(map(growth, running))
         longs = sum(map(is_long, running)) if threshold else 0
+
+        def in_progress(r: Sequence) -> bool:  # a prompt (or recompute) not done
+            return r.num_tokens - r.num_computed_tokens > 1
+
+        partial = sum(map(in_progress, running))
         chosen: list[Sequence] = []
         v = 0
         for cand in candidates:
@@ -180,6 +194,7 @@ class SchedulingPolicy(ABC):
                 # Admission passes it over this step: preempting for it would only free a
                 # seat for someone behind it, who may be the next victim (a livelock).
                 continue
+            unfinished = cand.num_tokens - 1 > self.step_budget  # left so by this step
             need = 0 if bm is None else bm.num_blocks_for(cand.num_tokens)
             s, f, j = seats, free, v
             while (s < 1 or f < need) and j < len(victims) and outranks(cand, victims[j]):
@@ -188,7 +203,11 @@ class SchedulingPolicy(ABC):
                 j += 1
             if s < 1 or f < need:
                 break
+            freed = sum(map(in_progress, victims[v:j]))
+            if unfinished and partial - freed >= self.max_partial:
+                continue  # the same, for a prompt this step would leave unfinished
             chosen.extend(victims[v:j])
             seats, free, v = s - 1, f - need, j
             longs += long
+            partial += unfinished - freed
         return chosen

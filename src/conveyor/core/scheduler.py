@@ -35,6 +35,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -87,6 +88,9 @@ class Scheduler:
             config.max_long_partial_prefills,
         )
         self.tenant_shares = TenantShares()
+        # Unfinished requests by tenant: with one tenant (and none in its grace time) the
+        # tenant rule has nothing to do, known without a look at the requests.
+        self._tenants: Counter[str] = Counter()
         # The previous step's start, tokens and long-prefill tokens, to time it for the long
         # prefills' share (LongPrefills.observe) when the next step follows it back to back
         # (0 tokens: the engine may have idled in between).
@@ -140,6 +144,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.long_prefills.arrived(request.arrival_time)
         self.tenant_shares.arrived(request.tenant, request.arrival_time)
+        self._tenants[request.tenant] += 1
         self.policy.on_enqueue(request, self.waiting.append(request))
         deadline_at = request.deadline_at
         if deadline_at != math.inf:
@@ -167,11 +172,9 @@ class Scheduler:
 
     def _tenant_hold_s(self) -> float:
         shares = self.tenant_shares
-        if not shares.may_hold():
+        if len(self._tenants) != 1 or not shares.in_grace():
             return 0.0
-        looked_at = itertools.islice(self.waiting, shares.WAITING_LOOKED_AT)
-        tenants = {r.tenant for r in self.running} | {r.tenant for r in looked_at}
-        return shares.hold_s(self.clock(), tenants, len(self.running))
+        return shares.hold_s(self.clock(), self._tenants, len(self.running))
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks.
@@ -276,6 +279,9 @@ class Scheduler:
         are not counted (they have their own share) unless `pressed` (no free block: the
         long rule is off)."""
         running, shares = self.running, self.tenant_shares
+        if len(self._tenants) <= 1 and not shares.in_grace():
+            shares.allowances({}, {})  # (a step of one tenant's work)
+            return running[:], None, 0
         threshold = 0 if pressed else self.long_prefills.threshold
         work = [
             (r, r.num_tokens - r.num_computed_tokens)
@@ -505,3 +511,8 @@ class Scheduler:
         self.block_manager.free(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
+        tenant = req.tenant
+        self._tenants[tenant] -= 1
+        if not self._tenants[tenant]:
+            del self._tenants[tenant]
+            self.tenant_shares.ended(tenant)

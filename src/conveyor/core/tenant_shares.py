@@ -100,8 +100,8 @@ class TenantShares:
     PROBE_EVERY = 8
 
     __slots__ = (
-        "_base", "_decode_only", "_ended", "_gaps", "_grace", "_rows", "_shared", "_since_probe",
-        "_tenant_turn", "_turn", "_working", "cost", "credit",
+        "_base", "_decode_only", "_ended", "_gaps", "_grace", "_pending", "_rows", "_shared",
+        "_since_probe", "_tenant_turn", "_turn", "cost", "credit",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -114,7 +114,7 @@ class TenantShares:
         self._since_probe = 0  # shared steps since the lightest last ran alone
         self._grace: dict[str, float] = {}  # tenant -> until when it stays in the share
         self._ended: dict[str, float] = {}  # tenant -> when its work last ended
-        self._working: set[str] = set()  # tenants with work at the last look
+        self._pending: set[str] = set()  # tenants whose work ended, not yet stamped
         self._gaps: deque[float] = deque(maxlen=self.GAP_SAMPLES)
         self._turn: dict[str, int] = {}  # tenant -> where its next rotation starts
         self._tenant_turn = 0  # which of the other tenants gets a row left over first
@@ -138,14 +138,32 @@ class TenantShares:
     def arrived(self, tenant: str, arrival_time: float) -> None:
         """A request of `tenant` arrived at `arrival_time`: if that tenant's work had ended,
         the gap is a sample for grace_s."""
+        self._pending.discard(tenant)
+        self._grace.pop(tenant, None)
         ended = self._ended.pop(tenant, None)
         if ended is not None:
             self._gaps.append(max(0.0, arrival_time - ended))
 
-    def may_hold(self) -> bool:
-        """Whether hold_s may say to wait: a tenant is in its grace time, or two had work at
-        the last look (one of them may have just ended)."""
-        return bool(self._grace) or len(self._working) >= 2
+    def ended(self, tenant: str) -> None:
+        """`tenant`'s last unfinished request finished: its grace time starts at the next
+        clock reading (`stamp`), when the step that finished it has ended."""
+        self._pending.add(tenant)
+
+    def stamp(self, now: float) -> None:
+        """The scheduler's clock read `now`: the tenants that just ended enter their grace."""
+        if not self._pending:
+            return
+        until = now + self.grace_s()
+        for t in self._pending:
+            self._grace[t] = until
+            self._ended[t] = now
+        self._pending.clear()
+        while len(self._ended) > self.ENDED_KEPT:  # tenants gone for good: oldest first
+            del self._ended[next(iter(self._ended))]
+
+    def in_grace(self) -> bool:
+        """Whether a tenant is (or is about to be) in its grace time."""
+        return bool(self._grace) or bool(self._pending)
 
     def demands(
         self, running: Iterable[tuple[Sequence, int]], waiting: Iterable[Sequence], now: float
@@ -167,22 +185,24 @@ class TenantShares:
             t = req.tenant
             count, tokens = work.get(t, (0, 0))
             work[t] = (count + 1, tokens + max(1, req.num_tokens - req.num_computed_tokens))
-        self._ended_by(now, work)
+        self.stamp(now)
         for t, until in list(self._grace.items()):
-            if until > now:
-                work[t] = (1, 1)
-            else:
+            if until <= now:
                 del self._grace[t]
+            elif t not in work:
+                work[t] = (1, 1)
         if len(work) < 2:
             self._turn.clear()
             self.credit = 0.0
         return work, rows
 
-    def hold_s(self, now: float, tenants: set[str], requests: int) -> float:
+    def hold_s(self, now: float, tenants: Iterable[str], requests: int) -> float:
         """Seconds to wait for a request before the next step, whose work is `requests`
-        requests of `tenants`: while one tenant has work and another is in its grace time,
-        the rest of that time, if shorter than the step it puts off (0: do not wait)."""
-        self._ended_by(now, tenants)
+        requests of `tenants` (those with unfinished requests): while one tenant has work
+        and another is in its grace time, the rest of that time, if shorter than the step it
+        puts off (0: do not wait)."""
+        self.stamp(now)
+        tenants = set(tenants)
         if len(tenants) != 1:
             return 0.0
         waits = [until - now for t, until in self._grace.items() if t not in tenants]
@@ -191,22 +211,6 @@ class TenantShares:
         if hold and fit is not None and hold >= fit[0] + fit[1] * requests:
             return 0.0
         return hold
-
-    def _ended_by(self, now: float, working: Iterable[str]) -> None:
-        """Tenants with work now are `working`: those whose work ended since the last call
-        enter their grace time, which runs from now (when the step that ended it did)."""
-        working = set(working)
-        ended = self._working - working
-        if ended:
-            until = now + self.grace_s()
-            for t in ended:
-                self._grace[t] = until
-                self._ended[t] = now
-            while len(self._ended) > self.ENDED_KEPT:  # tenants gone for good: oldest first
-                del self._ended[next(iter(self._ended))]
-        for t in working:
-            self._grace.pop(t, None)
-        self._working = working
 
     def allowances(
         self, work: dict[str, tuple[int, int]], rows: dict[str, int]
