@@ -25,6 +25,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+@pytest.fixture
+def triton_device() -> str:
+    """Where the Triton kernels run: "cuda", else "cpu" in the interpreter (the test is
+    skipped when conveyor.kernels loaded before TRITON_INTERPRET was set)."""
+    import conveyor.kernels.launchers as triton_kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not triton_kernels.INTERPRETED:
+        pytest.skip("no GPU and TRITON_INTERPRET was not set when conveyor.kernels loaded")
+    return device
+
+
 _TINY_TOKENIZER_TEXT = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
     "Café, naïve, résumé, Ångström and façade: accents everywhere.",

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -194,3 +195,22 @@ def serve_folder(model: Path, tmp: Path, name: str) -> Iterator[ServeProcess]:
     finally:
         proc.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def answer_to_sigterm(
+    server: ServeProcess, path: str, body: dict, reached: Callable[[], bool]
+) -> httpx.Response:
+    """POST `body` to `path`, SIGTERM the server once `reached()` says the request got to the
+    stage under test (polled; failing if the request ended first), and return its answer
+    after the server exited 0."""
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{server.base_url}{path}", json=body, timeout=120)
+        deadline = time.monotonic() + 120  # far above what any machine needs
+        while not reached():
+            assert not pending.done(), pending.result().text
+            assert time.monotonic() < deadline, "the request never got there"
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        answer = pending.result()
+    assert server.proc.wait(timeout=60) == 0
+    return answer

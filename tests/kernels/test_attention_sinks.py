@@ -113,12 +113,10 @@ def test_a_backend_without_sinks_refuses_a_model_with_them():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize(("window", "splits"), [(None, 1), (5, 1), (None, 2)])
-def test_the_triton_kernel_puts_the_sink_in_the_denominator(window, splits):
+def test_the_triton_kernel_puts_the_sink_in_the_denominator(window, splits, triton_device):
     import conveyor.kernels.launchers as triton_kernels
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not triton_kernels.INTERPRETED:
-        pytest.skip("no GPU and TRITON_INTERPRET was not set when conveyor.kernels loaded")
+    device = torch.device(triton_device)
     shapes = [(1, 9), (6, 30), (3, 3)] if splits == 1 else [(1, 40), (1, 17)]
     q, k, v, cache, meta, sinks = _batch(shapes, 4, 2, 16, 8, seed=5)
     write_kv_cache(k, v, cache, meta.slot_mapping)

@@ -84,12 +84,8 @@ def test_greedy_tokens_equal_transformers_through_chunked_prefill(checkpoint, ba
 
 
 @pytest.mark.interpreter
-def test_the_triton_backend_gives_transformers_tokens(checkpoint):
-    import conveyor.kernels.launchers as triton_kernels
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not triton_kernels.INTERPRETED:
-        pytest.skip("no GPU and TRITON_INTERPRET was not set when conveyor.kernels loaded")
+def test_the_triton_backend_gives_transformers_tokens(checkpoint, triton_device):
+    device = triton_device
     path, prompts, expected = checkpoint
     got = _greedy(
         path, prompts, attention_backend="triton", device=device, max_num_batched_tokens=16

@@ -110,12 +110,8 @@ def test_greedy_tokens_equal_and_logprobs_close_to_transformers(checkpoint, back
 
 
 @pytest.mark.interpreter
-def test_the_triton_backend_gives_transformers_tokens(checkpoint):
-    import conveyor.kernels.launchers as triton_kernels
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not triton_kernels.INTERPRETED:
-        pytest.skip("no GPU and TRITON_INTERPRET was not set when conveyor.kernels loaded")
+def test_the_triton_backend_gives_transformers_tokens(checkpoint, triton_device):
+    device = triton_device
     path, prompts, expected = checkpoint
     # (on CUDA: the Triton norms on the q/k slices' strided rows, the grouped-GEMM experts)
     _, got = _greedy(path, prompts[:2], attention_backend="triton", device=device,

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.serve_process import held_render_env, metric_value, slow_step_env, start_server
+from tests.serve_process import (
+    answer_to_sigterm,
+    held_render_env,
+    metric_value,
+    slow_step_env,
+    start_server,
+)
 
 pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
 
@@ -142,17 +148,8 @@ def test_a_request_cut_by_the_shutdown_backstop_gets_503(demo_model_dir, tmp_pat
     server = start_server(args, tmp_path, env=held_render_env(tmp_path))
     try:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        with ThreadPoolExecutor(1) as pool:
-            url = f"{server.base_url}/v1/chat/completions"
-            pending = pool.submit(httpx.post, url, json=body, timeout=120)
-            deadline = time.monotonic() + 120
-            while "a chat template render is held" not in server.log():
-                assert not pending.done(), pending.result().text
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            server.proc.send_signal(signal.SIGTERM)
-            r = pending.result()
-        assert server.proc.wait(timeout=60) == 0
+        held = lambda: "a chat template render is held" in server.log()  # noqa: E731
+        r = answer_to_sigterm(server, "/v1/chat/completions", body, held)
     finally:
         server.stop(signal.SIGKILL)
     assert r.status_code == 503, r.text

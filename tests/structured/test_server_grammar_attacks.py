@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 from tests.process_tree import children, cmdline, cpu_seconds, rss_mb, tree
-from tests.serve_process import held_grammar_worker_env, start_server
+from tests.serve_process import answer_to_sigterm, held_grammar_worker_env, start_server
 
 pytestmark = pytest.mark.slow  # each test talks to a real `conveyor serve`
 
@@ -166,16 +166,11 @@ def test_sigterm_while_the_grammar_worker_starts_is_a_503_not_a_500(
     server = _serve(demo_model_dir, tmp_path_factory, "--shutdown-timeout", "1",
                     env=held_grammar_worker_env(tmp))  # fmt: skip
     try:
-        with ThreadPoolExecutor(1) as pool:
-            body = {"model": MODEL, "max_tokens": 4, "guided_grammar": 'root ::= "a" | "b"',
-                    "messages": [{"role": "user", "content": "a or b?"}]}  # fmt: skip
-            url = f"{server.base_url}/v1/chat/completions"
-            pending = pool.submit(httpx.post, url, json=body, timeout=120)
-            pid = server.proc.pid
-            _wait_for("grammar worker started", lambda: _grammar_workers(pid) > 0, [pending])
-            server.proc.send_signal(signal.SIGTERM)
-            r = pending.result()
-            assert server.proc.wait(timeout=60) == 0
+        body = {"model": MODEL, "max_tokens": 4, "guided_grammar": 'root ::= "a" | "b"',
+                "messages": [{"role": "user", "content": "a or b?"}]}  # fmt: skip
+        pid = server.proc.pid
+        started = lambda: _grammar_workers(pid) > 0  # noqa: E731
+        r = answer_to_sigterm(server, "/v1/chat/completions", body, started)
     finally:
         server.stop(signal.SIGKILL)
     assert r.status_code == 503, r.text
