@@ -184,10 +184,13 @@ def held_render_env(tmp_path: Path) -> dict[str, str]:
 
 
 @contextmanager
-def serve_folder(model: Path, tmp: Path, name: str) -> Iterator[ServeProcess]:
-    """`conveyor serve` of the checkpoint `model` as `name` (128 KV blocks, 1,024 tokens), its
-    log in `tmp`, which is removed afterwards."""
-    args = ["--model", str(model), "--num-kv-blocks", "128", "--max-model-len", "1024"]
+def serve_folder(
+    model: Path, tmp: Path, name: str, num_kv_blocks: int = 128, max_model_len: int = 1024
+) -> Iterator[ServeProcess]:
+    """`conveyor serve` of the checkpoint `model` as `name`, its log in `tmp`, which is
+    removed afterwards."""
+    args = ["--model", str(model), "--num-kv-blocks", str(num_kv_blocks),
+            "--max-model-len", str(max_model_len)]  # fmt: skip
     proc = ServeProcess([*args, "--served-model-name", name], tmp / "serve.log")
     try:
         proc.wait_ready(timeout=240)

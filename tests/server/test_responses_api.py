@@ -26,7 +26,7 @@ import openai
 import pytest
 from openai.types.responses import response_create_params
 from tests.model.test_smollm2 import GGUF
-from tests.serve_process import ServeProcess, serve_folder, start_server
+from tests.serve_process import serve_folder, start_server
 from tests.server.test_reasoning import CONTENT, REASONING, _chain_checkpoint
 from tests.server.test_tool_loops import QWEN25_TEMPLATE, _checkpoint
 
@@ -410,13 +410,8 @@ QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
 def qwen(demo_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("responses-qwen")
     model = _checkpoint(demo_model_dir, tmp / "qwen", QWEN25_TEMPLATE)
-    args = ["--model", str(model), "--num-kv-blocks", "256", "--max-model-len", "2048"]
-    proc = ServeProcess([*args, "--served-model-name", M], tmp / "serve.log")
-    try:
-        proc.wait_ready(timeout=240)
+    with serve_folder(model, tmp, M, num_kv_blocks=256, max_model_len=2048) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _chat_tool_call(item) -> dict:
